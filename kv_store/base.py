@@ -1,0 +1,126 @@
+"""The KV connector interface (DESIGN §3), split like vLLM's.
+
+Scheduler side: ``lookup`` — side-effect free, how many leading blocks the store holds.
+Worker side: ``start_save`` / ``start_load`` move blocks between the paged cache and the
+store on background threads; ``poll`` reports finished transfers, so the engine's step loop
+never blocks on I/O.
+
+Storage backends (fs, redis) implement the small batched ``StorageBackend`` API; the
+``BlockStoreConnector`` turns any backend into a connector. LMCache is a connector of its
+own because LMCache addresses KV by token prefix rather than by our block keys.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KVStoreError(RuntimeError):
+    """The store could not be reached or refused an operation."""
+
+
+class KVRecordError(ValueError):
+    """A stored record is corrupt (bad magic, version, layout or checksum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """What a reader must agree on to interpret a block record."""
+
+    version: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """One request's blocks to move between the paged cache and the store.
+
+    ``block_hashes[i]`` / ``block_ids[i]`` / ``block_num_tokens[i]`` describe block ``i`` of
+    the request (the last one may be partial). Only blocks ``start_block..`` are moved.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    block_num_tokens: list[int]
+    start_block: int = 0
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """A finished save or load. For a load, ``num_loaded_blocks`` counts the leading blocks
+    (from ``start_block``) that arrived intact; the engine recomputes the rest."""
+
+    request_id: str
+    kind: str  # "save" | "load"
+    ok: bool
+    num_loaded_blocks: int = 0
+    keys: list[str] = field(default_factory=list)
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    failure_reason: str | None = None  # "missing" | "checksum" | "unreachable" | ...
+
+
+class StorageBackend(abc.ABC):
+    """Batched key → bytes storage. Every method may raise ``KVStoreError``."""
+
+    @abc.abstractmethod
+    def exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """Values in order; ``None`` for a missing (or expired) key."""
+
+    @abc.abstractmethod
+    def put(self, items: list[tuple[str, bytes]]) -> None:
+        """Write all items; a reader never sees a torn value."""
+
+    @abc.abstractmethod
+    def delete(self, keys: list[str]) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class KVConnector(abc.ABC):
+    """Moves prompt KV between an engine's paged cache and a shared store."""
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str) -> None:
+        """Called once by the engine with its cache ``[layers, 2, blocks, block, heads, dim]``."""
+
+    # -- scheduler side -------------------------------------------------------------------
+    @abc.abstractmethod
+    def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the store holds. No side effects."""
+
+    # -- worker side ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def start_save(self, transfer: KVTransfer) -> None:
+        """Begin writing blocks ``start_block..`` that the store lacks. The engine keeps the
+        blocks alive and unchanged until ``poll`` reports the save."""
+
+    @abc.abstractmethod
+    def start_load(self, transfer: KVTransfer) -> None:
+        """Begin reading blocks ``start_block..`` into ``block_ids``. The engine does not
+        touch those blocks until ``poll`` reports the load."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Finished transfers since the last call (non-blocking)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop worker threads and release the store."""
