@@ -13,11 +13,17 @@ own because LMCache addresses KV by token prefix rather than by our block keys.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+# What ``StorageBackend.put`` accepts: records are built in a ``bytearray`` (one copy out of
+# the cache) and must not be copied again into ``bytes`` just to satisfy a type.
+Blob = bytes | bytearray | memoryview
 
 
 class KVStoreError(RuntimeError):
@@ -65,7 +71,8 @@ class TransferResult:
     kind: str  # "save" | "load"
     ok: bool
     num_loaded_blocks: int = 0
-    keys: list[str] = field(default_factory=list)
+    num_saved_blocks: int = 0  # for a save: blocks actually written (the rest were present)
+    keys: list[str] = field(default_factory=list)  # for a save: the keys of all blocks
     bytes_moved: int = 0
     seconds: float = 0.0
     error: str | None = None
@@ -83,7 +90,7 @@ class StorageBackend(abc.ABC):
         """Values in order; ``None`` for a missing (or expired) key."""
 
     @abc.abstractmethod
-    def put(self, items: list[tuple[str, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         """Write all items; a reader never sees a torn value."""
 
     @abc.abstractmethod
@@ -99,7 +106,9 @@ class KVConnector(abc.ABC):
     name: str = "base"
 
     @abc.abstractmethod
-    def bind_kv_cache(self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str) -> None:
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
+    ) -> None:
         """Called once by the engine with its cache ``[layers, 2, blocks, block, heads, dim]``."""
 
     # -- scheduler side -------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Model registry and weight loading (single or sharded safetensors, or dummy weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from engine.models.llama import LlamaForCausalLM
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model"]
+
+# Every supported architecture shares one implementation; the differences (qkv bias, q/k
+# norm, rope scaling) are flags in ModelArgs.
+_REGISTRY = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+
+
+def build_model(
+    args: ModelArgs,
+    model_dir: str,
+    load_format: str,
+    backend: AttentionBackend,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    cls = _REGISTRY[args.architecture]
+    with torch.device(device):
+        model = cls(args, backend, max_positions)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        model.load_weights(_iter_safetensors(model_dir))
+    model.to(dtype=dtype)
+    # Rope tables stay float32 for accuracy; they are cast per use.
+    model.rope.cos = model.rope.cos.float()
+    model.rope.sin = model.rope.sin.float()
+    return model.eval()
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Small random weights (shape is what sets speed in benchmarks), norms at one."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            gen = gens.get(param.device)
+            if gen is None:
+                gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)
+
+
+def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights found in {model_dir!r}")
+    for name in files:
+        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield key, f.get_tensor(key)

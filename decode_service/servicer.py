@@ -1,0 +1,129 @@
+"""``DecodeService``: the engine as KV consumer, streaming tokens (DESIGN §1 steps 5–7).
+
+``Decode`` takes the prompt, the tokens already generated (the first token from prefill, or
+everything so far when the router resumes a stream after losing a decode instance), the
+sampling parameters and — in disaggregated mode — the prefill's ``KvHandle``. With a handle
+the engine loads the prompt's KV from the store (a missing or corrupt block is recomputed
+or fails the request, per ``--kv-load-failure``); without one it computes the prompt itself
+(colocated mode). ``params.max_tokens`` is the request's total: the tokens handed in count
+toward it, so a resumed request stops exactly where the original would have.
+
+Each engine delta becomes one ``DecodeChunk``; timings ride on the first and the last chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc.aio
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from prefill_service.base import EngineServiceCore
+from prefill_service.convert import (
+    check_handle_compatible,
+    check_length,
+    logprobs_to_proto,
+    phase_timings,
+    sampling_params_from_proto,
+    validate_token_ids,
+)
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    """gRPC handlers over an ``EngineServiceCore``."""
+
+    def __init__(self, core: EngineServiceCore) -> None:
+        self._core = core
+
+    def _prepare(self, request: pb.DecodeRequest) -> tuple[str, list[int], list[int], Any, Any]:
+        """Validate a request → (request id, prompt, generated, sampling params, remote KV)."""
+        from engine.request import RemoteKV
+
+        core = self._core
+        prompt = validate_token_ids(
+            "prompt_token_ids", request.prompt_token_ids, vocab_size=core.vocab_size
+        )
+        generated = validate_token_ids(
+            "generated_token_ids",
+            request.generated_token_ids,
+            vocab_size=core.vocab_size,
+            allow_empty=True,
+        )
+        params = sampling_params_from_proto(request.params)
+        if params.max_tokens <= len(generated):
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) must exceed the {len(generated)} tokens already "
+                "generated: it is the request's total, and nothing would be left to decode"
+            )
+        check_length(len(prompt), len(prompt) + params.max_tokens, core.max_model_len)
+        remote_kv = None
+        if request.HasField("kv_handle"):
+            handle = request.kv_handle
+            check_handle_compatible(handle, core.engine)
+            if handle.num_tokens > len(prompt):
+                raise ValueError(
+                    f"kv_handle covers {handle.num_tokens} tokens but the prompt has only {len(prompt)}"
+                )
+            remote_kv = RemoteKV(
+                block_keys=list(handle.block_keys), num_tokens=int(handle.num_tokens)
+            )
+        request_id = core.new_request_id(request.request_id)
+        return request_id, prompt, generated, params, remote_kv
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        core = self._core
+        core.admit()
+        request_id, prompt, generated, params, remote_kv = self._prepare(request)
+        start = time.monotonic()
+        first = True
+        stream = core.run(
+            request_id,
+            prompt,
+            params,
+            output_token_ids=generated or None,
+            remote_kv=remote_kv,
+            priority=request.priority,
+        )
+        async for out in stream:
+            chunk = pb.DecodeChunk(
+                token_ids=out.new_token_ids,
+                text=out.new_text,
+                logprobs=logprobs_to_proto(out.logprobs),
+                finished=out.finished,
+                finish_reason=out.finish_reason or "",
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            if first or out.finished:
+                elapsed = time.monotonic() - start
+                timings = phase_timings(
+                    out, compute_s=elapsed - out.queue_seconds - out.kv_load_seconds
+                )
+                chunk.timings.CopyFrom(timings)
+            if first:
+                self._record_kv_load(out, remote_kv is not None)
+                first = False
+            if out.finished:
+                core.metrics.observe_timings(chunk.timings)
+            yield chunk
+
+    def _record_kv_load(self, out: Any, had_handle: bool) -> None:
+        """Count a remote-KV request whose blocks did not all arrive (recomputed instead)."""
+        if had_handle and out.kv_blocks_recomputed:
+            reason = getattr(out, "kv_load_failure_reason", None) or "missing_or_corrupt"
+            self._core.metrics.record_fallback(reason)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return await self._core.Abort(request, context)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadInfo:
+        return await self._core.GetLoad(request, context)

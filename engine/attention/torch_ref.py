@@ -1,0 +1,111 @@
+"""Reference paged attention in plain torch (CPU and GPU): the correctness oracle.
+
+Decode rows (one query per request) are batched into one padded SDPA call; prefill and
+chunked-prefill requests are handled one by one with a causal mask offset by their context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter new K/V rows into the paged cache ``[2, blocks, block, heads, dim]``."""
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's first ``length`` tokens: ``[length, heads, dim]`` each."""
+    block_size = kv_cache.shape[2]
+    n_blocks = -(-length // block_size)
+    blocks = kv_cache[:, block_table[:n_blocks]]  # [2, n, block, heads, dim]
+    flat = blocks.reshape(2, n_blocks * block_size, *kv_cache.shape[3:])
+    return flat[0, :length], flat[1, :length]
+
+
+class TorchRefAttention(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc_cpu
+        decode_reqs, prefill_reqs = [], []
+        for i in range(meta.num_reqs):
+            (decode_reqs if starts[i + 1] - starts[i] == 1 else prefill_reqs).append(i)
+        if decode_reqs:
+            self._decode_batch(query, kv_cache, meta, scale, decode_reqs, out)
+        for i in prefill_reqs:
+            q0, q1 = starts[i], starts[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, causal_offset=seq_len - (q1 - q0))
+        return out
+
+    def _decode_batch(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        reqs: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        rows = torch.tensor([meta.query_start_loc_cpu[i] for i in reqs], device=query.device)
+        lens = [meta.seq_lens_cpu[i] for i in reqs]
+        max_len = max(lens)
+        n_blocks = -(-max_len // block_size)
+        tables = meta.block_tables[reqs][:, :n_blocks]  # [B, n]
+        ctx = kv_cache[:, tables]  # [2, B, n, block, heads, dim]
+        ctx = ctx.reshape(2, len(reqs), n_blocks * block_size, *kv_cache.shape[3:])
+        k = ctx[0].transpose(1, 2)  # [B, heads, L, dim]
+        v = ctx[1].transpose(1, 2)
+        q = query[rows].unsqueeze(2)  # [B, q_heads, 1, dim]
+        positions = torch.arange(n_blocks * block_size, device=query.device)
+        mask = positions[None, :] < torch.tensor(lens, device=query.device)[:, None]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        )
+        out[rows] = o.squeeze(2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+    """Attention of ``q`` [Lq, Hq, D] over ``k``/``v`` [Lk, Hkv, D]; query j sees keys <= offset + j."""
+    lq, lk = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1)
+    kt = k.transpose(0, 1).to(q.dtype)
+    vt = v.transpose(0, 1).to(q.dtype)
+    if groups > 1:
+        kt = kt.repeat_interleave(groups, dim=0)
+        vt = vt.repeat_interleave(groups, dim=0)
+    if causal_offset == 0 and lq == lk:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        mask = torch.arange(lk, device=q.device)[None, :] <= (
+            torch.arange(lq, device=q.device)[:, None] + causal_offset
+        )
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)

@@ -1,0 +1,258 @@
+"""The Triton attention backend: paged KV write + varlen/decode paged attention on the GPU.
+
+``TritonAttention`` implements ``AttentionBackend`` (engine/attention/base.py) with the
+kernels in ``triton_kernels.py``. It reads only the host-side integers of the metadata
+(``num_reqs``, ``max_query_len``, ``max_seq_len``) and never synchronises with the device,
+so a decode step through it can be captured in a CUDA graph (engine/cuda_graphs.py).
+
+On a CPU tensor it runs only under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, for
+the kernel tests CI runs): anything else is a ValueError with that advice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.triton_kernels import (
+    _merge_splits_kernel,
+    _paged_attn_kernel,
+    _write_kv_kernel,
+)
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Tile shape of one attention launch (see the kernel docstring for the terms)."""
+
+    block_q: int
+    block_m: int
+    block_n: int
+    num_splits: int
+    decode_only: bool
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_config(
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    dtype: torch.dtype,
+    num_sms: int | None,
+) -> LaunchConfig:
+    """Pick tiles. ``num_sms`` None means the interpreter: small tiles, many loop trips."""
+    on_gpu = num_sms is not None
+    if max_query_len <= 1:
+        block_m = max(16, _pow2(group))
+        splits = 1
+        if num_sms is not None:
+            # Enough programs for ~2 waves, but no split shorter than ~256 tokens.
+            want = math.ceil(2 * num_sms / max(1, num_reqs * num_kv_heads))
+            splits = max(1, min(want, math.ceil(max_seq_len / 256), 32))
+        return LaunchConfig(
+            block_q=1,
+            block_m=block_m,
+            block_n=64 if on_gpu else 16,
+            num_splits=splits,
+            decode_only=True,
+            num_warps=4,
+            num_stages=3 if dtype != torch.float32 else 2,
+        )
+    block_m = (128 if dtype != torch.float32 else 64) if on_gpu else 16
+    block_m = max(block_m, _pow2(group))
+    return LaunchConfig(
+        block_q=max(1, block_m // group),
+        block_m=block_m,
+        block_n=64 if on_gpu else 16,
+        num_splits=1,
+        decode_only=False,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ValueError(
+        f"the triton attention backend needs CUDA tensors (got {t.device}); on the CPU use "
+        "attention_backend='torch_ref' (TRITON_INTERPRET=1 runs the kernels slowly, for tests)"
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
+    num_tokens, kv_heads, head_dim = key.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (kv_heads, head_dim):
+        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit key {tuple(key.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache layer view must be contiguous")
+    if num_tokens == 0:
+        return
+    # Token rows may be strided (views into a fused QKV output); heads+dims must be dense.
+    key = key if key.stride()[1:] == (head_dim, 1) else key.contiguous()
+    value = value if value.stride()[1:] == (head_dim, 1) else value.contiguous()
+    row = kv_heads * head_dim
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        kv_cache.stride(0),
+        ROW=row,
+        ROW_P2=_pow2(row),
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_sms: int | None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    cfg = config or choose_config(
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        num_reqs=meta.num_reqs,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        dtype=query.dtype,
+        num_sms=num_sms,
+    )
+    if cfg.decode_only:
+        grid0 = meta.num_reqs
+    else:
+        grid0 = num_tokens // cfg.block_q + meta.num_reqs
+    if cfg.num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, cfg.num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty((num_tokens, num_heads, cfg.num_splits), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    bt = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
+    _paged_attn_kernel[(grid0, num_kv_heads, cfg.num_splits)](
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        out,
+        part_out,
+        part_lse,
+        meta.query_start_loc,
+        meta.seq_lens,
+        bt,
+        scale * _LOG2E,
+        meta.num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        bt.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE=kv_cache.shape[2],
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=cfg.num_splits,
+        DECODE_ONLY=cfg.decode_only,
+        IEEE=query.dtype == torch.float32,
+        UPCAST=query.device.type == "cpu" and query.dtype != torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=cfg.num_splits,
+            SPLITS_P2=_pow2(cfg.num_splits),
+        )
+    return out
+
+
+def validate_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Raise ValueError for shapes/dtypes the kernels do not handle."""
+    _check_device(query)
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError(f"query/key must be [tokens, heads, head_dim], got {tuple(query.shape)}, {tuple(key.shape)}")
+    head_dim = query.shape[2]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
+        raise ValueError(f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES})")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}")
+    page = kv_cache.shape[2]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"block_size must be a power of two, got {page}")
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention through Triton kernels; CUDA (or TRITON_INTERPRET=1 on the CPU)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._num_sms: dict[int, int] = {}
+
+    def _sms(self, device: torch.device) -> int | None:
+        if device.type != "cuda":
+            return None
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._num_sms:
+            self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        return self._num_sms[idx]
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        validate_inputs(query, key, kv_cache)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return paged_attention(query, kv_cache, meta, scale, num_sms=self._sms(query.device))

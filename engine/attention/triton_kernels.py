@@ -1,0 +1,206 @@
+"""Triton kernels over the paged KV cache: the K/V write and the attention itself.
+
+Layout (docs/internals.md): one layer's cache is ``[2, num_blocks, block_size, kv_heads,
+head_dim]``, contiguous, so the token at slot ``s`` starts at element ``s * kv_heads *
+head_dim`` of the K half (and of the V half, ``num_blocks * block_size * kv_heads *
+head_dim`` elements further on).
+
+One attention kernel serves every batch shape. A program owns one request, one tile of
+``BLOCK_Q`` of its query tokens, one KV head and one KV split. Its ``BLOCK_M`` rows are
+the tile's (token, q head) pairs for every q head that shares the KV head (grouped-query
+packing), so each K/V tile read from memory feeds the whole group. Programs map to
+requests by a binary search over ``query_start_loc`` (varlen: prefill, chunked prefill,
+prefix hits and decodes in one launch). With ``NUM_SPLITS > 1`` the KV range is cut into
+splits whose partial results (normalised output + log-sum-exp) a reduce kernel merges:
+that keeps the GPU busy when few long-context decodes are running.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    kv_half,  # elements between the K and the V half of the layer cache
+    ROW: tl.constexpr,  # kv_heads * head_dim
+    ROW_P2: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding / tokens whose KV is already cached
+        return
+    offs = tl.arange(0, ROW_P2)
+    mask = offs < ROW
+    k = tl.load(key_ptr + tok.to(tl.int64) * stride_kt + offs, mask=mask)
+    v = tl.load(value_ptr + tok.to(tl.int64) * stride_vt + offs, mask=mask)
+    dst = cache_ptr + slot * ROW + offs
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + kv_half, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """Request r owns programs [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1)."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.zeros([], tl.int32) + num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _paged_attn_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    num_reqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per KV block
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # every request has one query token: program id = request
+    IEEE: tl.constexpr,  # exact fp32 products (no tf32) for float32 models
+    UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns as ints
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        req = pid
+        q_block = 0
+    else:
+        req = _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q)
+        q_block = pid - (tl.load(qsl_ptr + req) // BLOCK_Q + req)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_off = seq_len - q_len  # position of the first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
+    d = tl.arange(0, HEAD_DIM)
+    tok64 = (q_start + q_tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx_off + q_tok
+
+    # Causal: this tile's last query sees keys up to its own position.
+    kv_hi = tl.minimum(seq_len, ctx_off + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    kv_lo = 0
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        tok_off = (blk * PAGE + n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        if UPCAST:
+            # Round P like the GPU path does, then multiply in fp32.
+            p = p.to(v.dtype).to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptr = out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (tok64 * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, HEAD_DIM)
+    base = (tok * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    denom = tl.sum(w, 0)
+    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,140 @@
+"""Random paged-attention problems and a float64 reference, for kernel tests and benchmarks.
+
+``make_case`` builds one flattened batch the way the model runner does: each request has
+``cached`` tokens already in the paged cache (a prefix hit or earlier chunks) and
+``q_len`` new tokens whose K/V the backend must write. Physical blocks are shuffled so no
+request's blocks are contiguous, and every unused cache slot holds NaN: a kernel that reads
+outside a request's context, or a write that misses, turns the result into NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+
+
+@dataclass(slots=True)
+class PagedCase:
+    query: torch.Tensor  # [tokens, heads, head_dim]
+    key: torch.Tensor  # [tokens, kv_heads, head_dim] (the new tokens only)
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata
+    scale: float
+    full_k: list[torch.Tensor]  # per request, [seq_len, kv_heads, head_dim], ground truth
+    full_v: list[torch.Tensor]
+
+
+def make_case(
+    q_lens: list[int],
+    cached: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+    pad_tokens: int = 0,
+) -> PagedCase:
+    """One batch; ``pad_tokens`` extra query rows belong to no request (slot -1)."""
+    if len(q_lens) != len(cached):
+        raise ValueError("q_lens and cached must have one entry per request")
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(cached, q_lens)]
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per) + 3  # spare blocks stay NaN
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per) + 1  # one padding column, like a real block table
+    table = torch.zeros((len(q_lens), width), dtype=torch.int32)
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    full_k, full_v, new_k, new_v, slots = [], [], [], [], []
+    for r, (c, s) in enumerate(zip(cached, seq_lens)):
+        ids = [perm.pop() for _ in range(blocks_per[r])]
+        table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn((s, num_kv_heads, head_dim), generator=gen).to(dtype)
+        v = torch.randn((s, num_kv_heads, head_dim), generator=gen).to(dtype)
+        full_k.append(k)
+        full_v.append(v)
+        pos = torch.arange(s)
+        slot = torch.tensor(ids, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        cache[0].view(-1, num_kv_heads, head_dim)[slot[:c]] = k[:c]
+        cache[1].view(-1, num_kv_heads, head_dim)[slot[:c]] = v[:c]
+        slots += slot[c:].tolist()
+        new_k.append(k[c:])
+        new_v.append(v[c:])
+    slots += [-1] * pad_tokens
+    new_k.append(torch.randn((pad_tokens, num_kv_heads, head_dim), generator=gen).to(dtype))
+    new_v.append(torch.randn((pad_tokens, num_kv_heads, head_dim), generator=gen).to(dtype))
+    num_tokens = sum(q_lens) + pad_tokens
+    query = torch.randn((num_tokens, num_heads, head_dim), generator=gen).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return PagedCase(
+        query=query.to(device),
+        key=torch.cat(new_k).to(device),
+        value=torch.cat(new_v).to(device),
+        kv_cache=cache.to(device),
+        meta=meta,
+        scale=head_dim**-0.5,
+        full_k=full_k,
+        full_v=full_v,
+    )
+
+
+def reference_attention(case: PagedCase) -> torch.Tensor:
+    """Float64 causal attention of each request over its ground-truth K/V (CPU)."""
+    q_all = case.query.detach().cpu().double()
+    out = torch.zeros_like(q_all)
+    qsl = case.meta.query_start_loc_cpu
+    heads = q_all.shape[1]
+    for r, (k, v) in enumerate(zip(case.full_k, case.full_v)):
+        q = q_all[qsl[r] : qsl[r + 1]]
+        q_len, seq_len = q.shape[0], k.shape[0]
+        group = heads // k.shape[1]
+        kk = k.double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * case.scale
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (NaN anywhere gives NaN)."""
+    diff = out.detach().cpu().double() - ref
+    return float(diff.norm() / ref.norm())
+
+
+def cache_error(case: PagedCase) -> float:
+    """Largest |cache − truth| over every token of every request (after the backend wrote)."""
+    cache = case.kv_cache.detach().cpu()
+    bs, kvh, hd = cache.shape[2], cache.shape[3], cache.shape[4]
+    table = case.meta.block_tables.cpu()
+    worst = 0.0
+    for r, (k, v) in enumerate(zip(case.full_k, case.full_v)):
+        pos = torch.arange(k.shape[0])
+        slots = table[r, pos // bs].long() * bs + pos % bs
+        got_k = cache[0].reshape(-1, kvh, hd)[slots].double()
+        got_v = cache[1].reshape(-1, kvh, hd)[slots].double()
+        err = max(float((got_k - k.double()).abs().max()), float((got_v - v.double()).abs().max()))
+        if err != err:
+            return err
+        worst = max(worst, err)
+    return worst

@@ -1,0 +1,93 @@
+"""Engine configuration: one frozen object, validated once, read everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+KV_LAYOUT_VERSION = 1
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs to build itself. ``validate()`` runs in ``__post_init__``.
+
+    ``model`` is a local Hugging Face directory (or "smollm2", resolved by the caller).
+    ``kv_cache_memory`` sizes the block pool on the CPU; ``gpu_memory_utilization`` on CUDA.
+    ``num_kv_blocks`` overrides both (tests use it to force preemption).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config)
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"  # "auto" | "torch_ref" | "triton"
+    seed: int = 0
+    kv_load_failure: str = "recompute"  # "recompute" | "fail"
+    hf_overrides: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(
+                f"model: {self.model!r} is not a directory; give a local Hugging Face model "
+                "directory (or resolve 'smollm2' with pdserve.models.resolve_model first)"
+            )
+        if self.load_format == "auto" and not _has_weights(self.model):
+            raise ValueError(f"model: no *.safetensors files in {self.model!r} (or use load_format='dummy')")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.scheduling_policy not in _POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
+        if self.kv_load_failure not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure must be 'recompute' or 'fail', got {self.kv_load_failure!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def hf_config(self) -> dict[str, object]:
+        """The model directory's config.json with ``hf_overrides`` applied."""
+        with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
+            cfg: dict[str, object] = json.load(f)
+        cfg.update(self.hf_overrides)
+        return cfg
+
+
+def _has_weights(model_dir: str) -> bool:
+    return any(name.endswith(".safetensors") for name in os.listdir(model_dir))

@@ -1,0 +1,39 @@
+"""Model fingerprint: identifies KV compatibility across processes and machines.
+
+It covers the model's config, the identity of its weights, the KV dtype, the block size and
+the KV layout version. Weights are identified by file names, sizes, the safetensors headers
+and a sample of tensor bytes (hashing many GB at every start would be too slow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from engine.config import KV_LAYOUT_VERSION, EngineConfig
+
+_SAMPLE = 1 << 20
+
+
+def model_fingerprint(config: EngineConfig) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(config.hf_config(), sort_keys=True, default=str).encode())
+    h.update(f"|{config.torch_dtype_name}|{config.block_size}|v{KV_LAYOUT_VERSION}|".encode())
+    if config.load_format == "dummy":
+        h.update(f"dummy:{config.seed}".encode())
+    else:
+        for name in sorted(os.listdir(config.model)):
+            if name.endswith(".safetensors"):
+                _hash_weights_file(h, os.path.join(config.model, name))
+    return h.hexdigest()[:32]
+
+
+def _hash_weights_file(h: hashlib._Hash, path: str) -> None:
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            h.update(f.read(_SAMPLE))

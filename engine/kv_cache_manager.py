@@ -1,0 +1,94 @@
+"""Block tables per request on top of the BlockPool: prefix lookup, slot allocation, freeing.
+
+Mechanism only: ``allocate_slots`` returns None when the pool is short and never preempts;
+the scheduler decides what to do about it.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's blocks are already registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of leading full blocks already in the prefix cache, and their tokens.
+
+        At least one token is always left to compute, so the model produces logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.record_lookup(max_blocks, len(hits))
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits to adopt first (a fresh request).
+        Returns the newly taken blocks, or None (changing nothing) if the pool is short.
+        """
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed)
+        # Hits sitting idle in the free queue stop being free once adopted.
+        idle_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - idle_hits:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self._num_cached_blocks[request.request_id] = len(blocks)
+        new_blocks = self.pool.take(max(need, 0))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register every full block whose KV is (or is being, this step) computed."""
+        if not self.enable_caching:
+            return
+        request.update_block_hashes(self.block_size)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for i in range(start, end):
+            self.pool.register(blocks[i], request.block_hashes[i])
+        if end > start:
+            self._num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.release(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, []))

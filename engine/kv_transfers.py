@@ -1,0 +1,160 @@
+"""Engine side of KV transfer: starts loads and saves through the connector and turns the
+connector's completions into scheduler actions. Owns the in-flight transfer tables."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.block_hash import compute_block_hashes
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import KvSaveResult
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from kv_store.base import KVConnector, KVTransfer, TransferResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TransferStats:
+    loads_started: int = 0
+    blocks_loaded: int = 0
+    blocks_recomputed: int = 0
+    load_fallbacks: Counter[str] = field(default_factory=Counter)
+    saves_started: int = 0
+    save_failures: int = 0
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    request: Request
+    ok: bool
+    seconds: float
+    blocks_loaded: int
+    blocks_recomputed: int
+    error: str | None = None
+
+
+class KVTransferCoordinator:
+    def __init__(
+        self, connector: KVConnector, kv: KVCacheManager, scheduler: Scheduler, failure_policy: str
+    ) -> None:
+        self.connector = connector
+        self.kv = kv
+        self.scheduler = scheduler
+        self.failure_policy = failure_policy
+        self.block_size = kv.block_size
+        self.stats = TransferStats()
+        self._awaiting_blocks: list[Request] = []  # remote-KV requests not yet allocated
+        self._loading: dict[str, tuple[Request, float, int]] = {}  # id -> (req, t0, start_block)
+        self._saving: dict[str, tuple[Request, float]] = {}
+        self._aborted: set[str] = set()
+
+    def has_work(self) -> bool:
+        return bool(self._awaiting_blocks or self._loading or self._saving)
+
+    def num_waiting_for_kv(self) -> int:
+        return len(self._awaiting_blocks) + len(self._loading)
+
+    def _transfer(self, request: Request, start_block: int) -> KVTransfer:
+        prompt = request.prompt_token_ids
+        hashes = compute_block_hashes(prompt, self.block_size, include_partial=True)
+        ids = self.kv.block_ids(request.request_id)[: len(hashes)]
+        sizes = [min(self.block_size, len(prompt) - i * self.block_size) for i in range(len(hashes))]
+        return KVTransfer(request.request_id, list(prompt), hashes, ids, sizes, start_block)
+
+    # -- consumer -------------------------------------------------------------------------
+    def add_remote(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._awaiting_blocks.append(request)
+
+    def start_pending_loads(self) -> list[Request]:
+        """Allocate blocks for remote-KV requests and start their loads. Returns requests
+        that need no load at all (everything was in the local prefix cache)."""
+        ready, still = [], []
+        for request in self._awaiting_blocks:
+            hits, hit_tokens = self.kv.get_computed_blocks(request)
+            prompt_len = request.num_prompt_tokens
+            if self.kv.allocate_slots(request, prompt_len - hit_tokens, hits) is None:
+                still.append(request)
+                continue
+            request.num_computed_tokens = hit_tokens
+            request.num_cached_tokens = hit_tokens
+            n_remote = -(-min(prompt_len, request.remote_kv.num_tokens if request.remote_kv else 0) // self.block_size)
+            if len(hits) >= n_remote:
+                ready.append(request)
+                continue
+            self.connector.start_load(self._transfer(request, len(hits)))
+            self._loading[request.request_id] = (request, time.monotonic(), len(hits))
+            self.stats.loads_started += 1
+        self._awaiting_blocks = still
+        return ready
+
+    def _finish_load(self, result: TransferResult) -> LoadOutcome | None:
+        request, t0, start = self._loading.pop(result.request_id)
+        if result.request_id in self._aborted:
+            self._aborted.discard(result.request_id)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            return None
+        n_remote = -(-min(request.num_prompt_tokens, request.remote_kv.num_tokens if request.remote_kv else 0)
+                     // self.block_size)
+        loaded = result.num_loaded_blocks
+        covered = min((start + loaded) * self.block_size, request.num_prompt_tokens)
+        request.num_computed_tokens = min(max(covered, request.num_computed_tokens), request.num_tokens - 1)
+        missing = max(0, n_remote - start - loaded)
+        self.stats.blocks_loaded += loaded
+        self.stats.blocks_recomputed += missing
+        if missing:
+            reason = result.failure_reason or "missing"
+            self.stats.load_fallbacks[reason] += 1
+            logger.warning("request %s: %d KV blocks not loaded (%s): %s", request.request_id, missing,
+                           reason, "failing" if self.failure_policy == "fail" else "recomputing")
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        ok = not (missing and self.failure_policy == "fail")
+        error = None if ok else f"KV load failed ({result.failure_reason or 'missing'}): {result.error}"
+        return LoadOutcome(request, ok, time.monotonic() - t0, loaded, missing, error)
+
+    # -- producer -------------------------------------------------------------------------
+    def start_save(self, request: Request) -> None:
+        self.connector.start_save(self._transfer(request, 0))
+        self._saving[request.request_id] = (request, time.monotonic())
+        self.stats.saves_started += 1
+
+    def _finish_save(self, result: TransferResult) -> tuple[Request, KvSaveResult]:
+        request, t0 = self._saving.pop(result.request_id)
+        if not result.ok:
+            self.stats.save_failures += 1
+            logger.warning("request %s: KV save failed: %s", request.request_id, result.error)
+        saved = KvSaveResult(
+            result.keys, request.num_prompt_tokens if result.ok else 0,
+            result.num_saved_blocks if result.ok else 0, time.monotonic() - t0,
+            None if result.ok else (result.error or "save failed"),
+        )
+        return request, saved
+
+    # -- both -----------------------------------------------------------------------------
+    def poll(self) -> tuple[list[LoadOutcome], list[tuple[Request, KvSaveResult]]]:
+        loads: list[LoadOutcome] = []
+        saves: list[tuple[Request, KvSaveResult]] = []
+        for result in self.connector.poll():
+            if result.kind == "load" and result.request_id in self._loading:
+                outcome = self._finish_load(result)
+                if outcome is not None:
+                    loads.append(outcome)
+            elif result.kind == "save" and result.request_id in self._saving:
+                saves.append(self._finish_save(result))
+        return loads, saves
+
+    def abort(self, request: Request) -> bool:
+        """Returns True if the request's blocks may be freed now (no transfer reads or
+        writes them); otherwise they are freed when the transfer completes."""
+        if request in self._awaiting_blocks:
+            self._awaiting_blocks.remove(request)
+            return True
+        if request.request_id in self._loading:
+            self._aborted.add(request.request_id)
+            return False
+        return request.request_id not in self._saving

@@ -1,0 +1,257 @@
+"""The engine core: ``step()`` = schedule → run the model → sample → post-process.
+
+Synchronous and single-threaded; ``AsyncLLMEngine`` drives it from a background thread and
+``LLM`` drives it directly for offline generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from engine.config import KV_LAYOUT_VERSION, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.fingerprint import model_fingerprint
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfers import KVTransferCoordinator, LoadOutcome
+from engine.model_runner import ModelRunner
+from engine.models import ModelArgs
+from engine.outputs import KvSaveResult, LoadStats, RequestOutput
+from engine.request import RemoteKV, Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, Scheduler
+from kv_store.base import KVConnector, KvLayout
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's HF tokenizer, or None for a bare config (dummy-weight benchmarks)."""
+    import os
+
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
+        self.config = config
+        self.args = ModelArgs.from_hf(config.hf_config())
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(self.args.eos_token_ids)
+        self.runner = ModelRunner(config, self.args, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.sampler = Sampler()
+        self.model_fingerprint = model_fingerprint(config)
+        self.kv_layout = KvLayout(
+            KV_LAYOUT_VERSION, config.torch_dtype_name, config.block_size,
+            self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+        )
+        self.connector = connector
+        self.transfers: KVTransferCoordinator | None = None
+        if connector is not None:
+            connector.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
+            self.transfers = KVTransferCoordinator(connector, self.kv, self.scheduler, config.kv_load_failure)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._pending: list[RequestOutput] = []
+        self.num_steps = 0
+
+    def _max_model_len(self) -> int:
+        limit = self.args.max_position_embeddings
+        if self.args.sliding_window:
+            # Without sliding-window attention, stay where full attention is exact.
+            limit = min(limit, self.args.sliding_window)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
+            return self.config.max_model_len
+        return limit
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        output_token_ids: list[int] | None = None,
+        remote_kv: RemoteKV | None = None,
+        save_kv: bool = False,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the field) for bad input."""
+        self._validate(request_id, prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv)
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
+            output_token_ids=list(output_token_ids or []), remote_kv=remote_kv, save_kv=save_kv,
+            num_initial_output_tokens=len(output_token_ids or []),
+            effective_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+        )
+        self._detok[request_id] = IncrementalDetokenizer.start(
+            self.tokenizer, params.stop, params.skip_special_tokens, request.output_token_ids
+        )
+        if remote_kv is None:
+            self.scheduler.add_request(request)
+        else:
+            assert self.transfers is not None
+            self.scheduler.requests[request_id] = request
+            self.transfers.add_remote(request)
+
+    def _validate(self, request_id: str, prompt: list[int], generated: list[int], params: SamplingParams,
+                  remote_kv: RemoteKV | None, save_kv: bool) -> None:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        total = len(prompt) + len(generated)
+        if total >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {total} tokens; the maximum is {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len})"
+            )
+        bad = [t for t in prompt + generated if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.args.vocab_size}), got {bad[:3]}")
+        if len(generated) >= params.max_tokens:
+            raise ValueError(f"{len(generated)} tokens already generated but max_tokens is {params.max_tokens}")
+        if (remote_kv is not None or save_kv) and self.connector is None:
+            raise ValueError("this engine has no KV connector; remote_kv / save_kv are unavailable")
+        needed = -(-min(total + params.max_tokens, self.max_model_len) // self.config.block_size)
+        if needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_usable_blocks}")
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        free_now = self.transfers.abort(request) if self.transfers else True
+        if free_now:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        else:
+            request.status = RequestStatus.FINISHED_ABORTED
+        self._detok.pop(request_id, None)
+        self._pending.append(self._output(request, [], "", finished=True))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self.transfers and self.transfers.has_work()) or bool(self._pending)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.transfers is not None:
+            outputs += self._handle_transfers()
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            logits = self.runner.execute(sched.scheduled)
+            outputs += self._postprocess(sched.scheduled, logits)
+            self.num_steps += 1
+        return outputs
+
+    def _handle_transfers(self) -> list[RequestOutput]:
+        assert self.transfers is not None
+        outputs: list[RequestOutput] = []
+        loads, saves = self.transfers.poll()
+        for outcome in loads:
+            outputs += self._on_loaded(outcome)
+        for request, saved in saves:
+            outputs.append(self._on_saved(request, saved))
+        for request in self.transfers.start_pending_loads():
+            self.scheduler.make_ready(request)
+        return outputs
+
+    def _on_loaded(self, outcome: LoadOutcome) -> list[RequestOutput]:
+        request = outcome.request
+        request.kv_load_seconds = outcome.seconds
+        request.kv_blocks_loaded = outcome.blocks_loaded
+        request.kv_blocks_recomputed = outcome.blocks_recomputed
+        if not outcome.ok:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._detok.pop(request.request_id, None)
+            out = self._output(request, [], "", finished=True)
+            out.error = outcome.error
+            return [out]
+        self.scheduler.make_ready(request)
+        return []
+
+    def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
+        self.kv.free(request)
+        self.scheduler.requests.pop(request.request_id, None)
+        out = self._output(request, [], "", finished=True)
+        out.kv_saved = saved
+        return out
+
+    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
+        rows, to_sample = [], []
+        for i, s in enumerate(scheduled):
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.request.num_computed_tokens == s.request.num_tokens:
+                rows.append(i)
+                to_sample.append(s.request)
+        if not to_sample:
+            return []
+        sampled = self.sampler(logits[rows], to_sample)
+        outputs = []
+        for request, tok in zip(to_sample, sampled):
+            request.append_output_token(tok.token_id)
+            finished_status = self._check_stop(request, tok.token_id)
+            detok = self._detok[request.request_id]
+            text = detok.add([tok.token_id], finished_status is not None)
+            if finished_status is None and detok.stopped:
+                finished_status = RequestStatus.FINISHED_STOPPED
+            if finished_status is not None:
+                self._finish(request, finished_status)
+            out = self._output(request, [tok.token_id], text, finished=finished_status is not None and not request.save_kv)
+            out.logprobs = [tok.logprob] if tok.logprob is not None else None
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.params
+        if not p.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._detok.pop(request.request_id, None)
+        if request.save_kv and self.transfers is not None:
+            self.scheduler.finish(request, status, keep_blocks=True)
+            self.transfers.start_save(request)
+        else:
+            self.scheduler.finish(request, status)
+
+    def _output(self, request: Request, tokens: list[int], text: str, *, finished: bool) -> RequestOutput:
+        queued = (request.first_scheduled_time or time.monotonic()) - request.arrival_time
+        return RequestOutput(
+            request.request_id, tokens, text, finished,
+            finish_reason=request.status.finish_reason if request.is_finished else None,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            kv_load_seconds=request.kv_load_seconds, kv_blocks_loaded=request.kv_blocks_loaded,
+            kv_blocks_recomputed=request.kv_blocks_recomputed, queue_seconds=queued,
+        )
+
+    def get_load(self) -> LoadStats:
+        return LoadStats(
+            waiting=len(self.scheduler.waiting) + (self.transfers.num_waiting_for_kv() if self.transfers else 0),
+            running=len(self.scheduler.running),
+            free_blocks=self.kv.pool.num_free_blocks,
+            total_blocks=self.kv.pool.num_usable_blocks,
+            prefix_hit_rate=self.kv.pool.hit_rate(),
+            waiting_for_remote_kv=self.transfers.num_waiting_for_kv() if self.transfers else 0,
+        )

@@ -1,0 +1,156 @@
+"""The model runner owns the device tensors: weights, the paged KV cache, step inputs.
+
+Each step it flattens the scheduled requests' new tokens into one "super sequence" with
+positions, slot mapping and attention metadata, runs the model once, and returns the
+logits of each request's last scheduled position.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import get_backend
+from engine.attention.base import AttentionMetadata
+from engine.config import EngineConfig
+from engine.models import ModelArgs, build_model
+from engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, args: ModelArgs, max_model_len: int) -> None:
+        self.config = config
+        self.args = args
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.torch_dtype_name]
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.backend = get_backend(config.attention_backend, config.device)
+        self.model = build_model(
+            args, config.model, config.load_format, self.backend, max_model_len,
+            self.dtype, config.device, config.seed,
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.kv_cache = torch.zeros(
+            (args.num_layers, 2, self.num_blocks, self.block_size, args.num_kv_heads, args.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.backend.name,
+        )
+
+    def bytes_per_block(self) -> int:
+        a = self.args
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem * a.num_layers
+
+    def _size_kv_cache(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = self.config.kv_cache_memory
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ValueError(
+                f"KV cache budget {budget} bytes holds {blocks} blocks of {per_block} bytes; "
+                "raise kv_cache_memory / gpu_memory_utilization"
+            )
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Memory left for KV after weights and a profiling forward pass at full budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        dummy_cache = torch.zeros(
+            (self.args.num_layers, 2, 2 + -(-n // self.block_size), self.block_size,
+             self.args.num_kv_heads, self.args.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        blocks = torch.arange(1, 1 + -(-n // self.block_size), dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos + self.block_size, query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device), block_tables=blocks[None],
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, dummy_cache, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del dummy_cache, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        bs = self.block_size
+        max_blocks = 1
+        for s in scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            tokens = req.all_token_ids
+            ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(len(ids))
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, -(-end // bs))
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(scheduled):
+            n = -(-seq_lens[i] // bs)
+            tables[i, :n] = torch.tensor(s.block_ids[:n], dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            meta=meta,
+            logits_indices=torch.tensor([e - 1 for e in starts[1:]], dtype=torch.long).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[len(scheduled), vocab]``."""
+        inputs = self.prepare(scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -1,0 +1,106 @@
+"""Request: pure per-request state. The scheduler owns the queues, the KV manager the blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.block_hash import extend_block_hashes
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(slots=True)
+class RemoteKV:
+    """Where to load a request's prompt KV from: the store keys of its leading blocks."""
+
+    block_keys: list[str]
+    num_tokens: int
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A request's tokens and progress. There is no prefill or decode phase: only
+    ``num_computed_tokens`` (KV present in the cache) against ``num_tokens``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the local prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # full blocks only
+    remote_kv: RemoteKV | None = None
+    save_kv: bool = False
+    num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    # Tokens handed in already generated (first token from prefill, or resume); they count
+    # toward max_tokens but are never re-emitted.
+    num_initial_output_tokens: int = 0
+    first_scheduled_time: float | None = None
+    kv_load_seconds: float = 0.0
+    kv_blocks_loaded: int = 0
+    kv_blocks_recomputed: int = 0
+    # Seed for the per-position random draws: the user's, or one the engine picked.
+    effective_seed: int = 0
+    # Called as f(output_token_ids, logits) -> logits before sampling (grammar masks).
+    logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash any newly completed full blocks (prompt and output alike)."""
+        if len(self.block_hashes) < self.num_tokens // block_size:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
+
+    def __lt__(self, other: Request) -> bool:  # heap order for the priority policy
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)

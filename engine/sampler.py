@@ -1,0 +1,102 @@
+"""Token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Reproducibility: the random draw for a token depends only on the request's seed and the
+token's position (exponential-race sampling with a generator seeded from both), so a seed
+gives the same output in any batch, and a request resumed on another instance continues
+exactly where it stopped. Requests without a seed get one from the engine at arrival.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+
+# A logits processor sees the tokens generated so far and the row's logits, and returns
+# the logits to sample from (e.g. a grammar bitmask sets disallowed tokens to -inf).
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def position_seed(seed: int, position: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    p = request.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p."""
+    if top_k > 0 and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep a token if the mass strictly before it is below top_p (the first always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Pick one token per row of ``logits`` ``[len(requests), vocab]`` (float32)."""
+        if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+               and not r.logits_processors for r in requests):
+            return [SampledToken(int(t), None) for t in logits.argmax(-1).tolist()]
+        return [self._sample_row(logits[i], r) for i, r in enumerate(requests)]
+
+    def _sample_row(self, raw: torch.Tensor, request: Request) -> SampledToken:
+        p = request.params
+        logits = raw.clone()
+        for processor in request.logits_processors:
+            logits = processor(request.output_token_ids, logits)
+        if p.has_penalties:
+            logits = apply_penalties(logits, request)
+        if p.greedy:
+            token = int(logits.argmax())
+        else:
+            logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = logits.softmax(-1)
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(position_seed(request.effective_seed, request.num_tokens))
+            noise = torch.empty_like(probs).exponential_(generator=gen)
+            token = int((probs / noise).argmax())
+        return SampledToken(token, self._logprob(raw, token, p.logprobs))
+
+    @staticmethod
+    def _logprob(raw: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:
+        if k is None:
+            return None
+        logprobs = raw.log_softmax(-1)
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            vals, ids = torch.topk(logprobs, k)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        return TokenLogprob(token, float(logprobs[token]), top)

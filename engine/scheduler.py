@@ -1,0 +1,179 @@
+"""The scheduler: waiting and running queues, token budget, chunked prefill, preemption.
+
+Each step it gives every running request its next tokens first (decode-first), then admits
+waiting requests while budget, sequence slots and KV blocks last. There is no prefill or
+decode phase: a request simply has ``num_computed_tokens`` of ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+class WaitingQueue:
+    """FCFS (deque) or priority (heap on (priority, arrival)) order of waiting requests."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def push(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.append(request)
+
+    def push_front(self, request: Request) -> None:
+        """Preempted requests go back first (FCFS); the heap orders them by itself."""
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap.remove(request)
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if request.status is RequestStatus.WAITING:
+            self.waiting.push(request)
+
+    def make_ready(self, request: Request) -> None:
+        """A request whose remote KV has arrived joins the waiting queue's front."""
+        request.status = RequestStatus.WAITING
+        self.waiting.push_front(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted_now = False
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                budget += self._preempt(victim, out)
+                preempted_now = True
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+            if budget <= 0:
+                break
+        if not preempted_now:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = [], 0
+            if self.kv.num_blocks_of(request.request_id) == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            if hits:
+                request.num_computed_tokens += num_hit_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
+        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id))
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Recompute preemption: drop the KV (cached blocks stay reusable) and requeue.
+        Returns the budget the victim had already been given this step."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        refund = sum(s.num_new_tokens for s in out.scheduled if s.request is request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        out.preempted.append(request.request_id)
+        self.waiting.push_front(request)
+        return refund
+
+    def finish(self, request: Request, status: RequestStatus, *, keep_blocks: bool = False) -> None:
+        """Take a request out of the queues; free its blocks unless a save still reads them."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        if not keep_blocks:
+            self.kv.free(request)
+            self.requests.pop(request.request_id, None)

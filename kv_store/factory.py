@@ -1,0 +1,171 @@
+"""Connector selection from flags and ``PDSERVE_*`` environment variables (DESIGN §3).
+
+| flag            | env                   | meaning                                        |
+|-----------------|-----------------------|------------------------------------------------|
+| --connector     | PDSERVE_CONNECTOR     | fs, redis, lmcache or none                     |
+| --kv-path       | PDSERVE_KV_PATH       | fs: the shared directory                       |
+| --redis-url     | PDSERVE_REDIS_URL     | redis: redis://host:port[/db]                  |
+| --lmcache-url   | PDSERVE_LMCACHE_URL   | lmcache: lm://host:port or redis://host:port   |
+| --kv-ttl        | PDSERVE_KV_TTL        | seconds a block lives (0 = forever)            |
+| --kv-capacity   | PDSERVE_KV_CAPACITY   | byte bound, e.g. 10GiB (fs store; LMCache's    |
+|                 |                       | local CPU buffer); 0 = unbounded               |
+| --kv-key-prefix | PDSERVE_KV_KEY_PREFIX | namespace before every key (Redis; fs path)    |
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kv_store.base import KVConnector
+
+CONNECTORS = ("fs", "redis", "lmcache", "none")
+DEFAULT_TTL_S = 3600.0
+DEFAULT_CAPACITY = 10 * 1024**3
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_IUNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"10GiB"``, ``"512M"``, ``"1e9"``, ``1000`` → bytes. ``ValueError`` on junk or < 0."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?i?)[bB]?\s*", text)
+        if not m:
+            raise ValueError(f"invalid byte size {text!r} (examples: 1073741824, 512MiB, 10G)")
+        unit = m.group(2).lower()
+        mult = _IUNITS.get(unit) or _UNITS.get(unit)
+        try:
+            value = int(float(m.group(1)) * (mult or 1))
+        except ValueError:
+            raise ValueError(f"invalid byte size {text!r}") from None
+        if mult is None:
+            raise ValueError(f"invalid byte-size unit in {text!r}")
+    if value < 0:
+        raise ValueError(f"byte size must be >= 0, got {text!r}")
+    return value
+
+
+def _parse_ttl(text: str | float) -> float:
+    try:
+        ttl = float(text)
+    except ValueError:
+        raise ValueError(f"invalid KV TTL {text!r}: expected seconds") from None
+    if ttl < 0:
+        raise ValueError(f"KV TTL must be >= 0 seconds (0 = no expiry), got {text!r}")
+    return ttl
+
+
+@dataclass(slots=True)
+class KVStoreSettings:
+    """Which connector to build and how. ``kv_ttl`` / ``kv_capacity`` of 0 mean unbounded."""
+
+    connector: str = "none"
+    kv_path: str | None = None
+    redis_url: str | None = None
+    lmcache_url: str | None = None
+    kv_ttl: float = DEFAULT_TTL_S
+    kv_capacity: int = DEFAULT_CAPACITY
+    key_prefix: str = ""
+
+    def validate(self) -> None:
+        """``ValueError`` naming the flag to fix."""
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
+        if self.kv_ttl < 0:
+            raise ValueError(f"--kv-ttl must be >= 0, got {self.kv_ttl}")
+        if self.kv_capacity < 0:
+            raise ValueError(f"--kv-capacity must be >= 0, got {self.kv_capacity}")
+        need = {"fs": ("kv_path", "--kv-path / PDSERVE_KV_PATH"),
+                "redis": ("redis_url", "--redis-url / PDSERVE_REDIS_URL"),
+                "lmcache": ("lmcache_url", "--lmcache-url / PDSERVE_LMCACHE_URL")}
+        if self.connector in need:
+            attr, flag = need[self.connector]
+            if not getattr(self, attr):
+                raise ValueError(f"--connector {self.connector} needs {flag}")
+        if self.connector == "redis" and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis-url must look like redis://host:port, got {self.redis_url!r}")
+        if self.connector == "lmcache" and not str(self.lmcache_url).startswith(("lm://", "redis://")):
+            raise ValueError(f"--lmcache-url must look like lm://host:port or redis://host:port, got {self.lmcache_url!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KVStoreSettings:
+        """Settings from ``PDSERVE_*`` variables (``os.environ`` by default)."""
+        env = os.environ if env is None else env
+        s = cls(
+            connector=env.get("PDSERVE_CONNECTOR", "none").strip().lower(),
+            kv_path=env.get("PDSERVE_KV_PATH") or None,
+            redis_url=env.get("PDSERVE_REDIS_URL") or None,
+            lmcache_url=env.get("PDSERVE_LMCACHE_URL") or None,
+            kv_ttl=_parse_ttl(env.get("PDSERVE_KV_TTL", DEFAULT_TTL_S)),
+            kv_capacity=parse_bytes(env.get("PDSERVE_KV_CAPACITY", DEFAULT_CAPACITY)),
+            key_prefix=env.get("PDSERVE_KV_KEY_PREFIX", ""),
+        )
+        s.validate()
+        return s
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KVStoreSettings:
+        """Settings from a namespace parsed with ``add_cli_arguments``."""
+        s = cls(args.connector, args.kv_path, args.redis_url, args.lmcache_url,
+                args.kv_ttl, args.kv_capacity, args.kv_key_prefix)
+        s.validate()
+        return s
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """Add the connector flags; each defaults to its ``PDSERVE_*`` twin, then the built-in."""
+    d = KVStoreSettings(
+        connector=(env or os.environ).get("PDSERVE_CONNECTOR", "none").strip().lower(),
+    )
+    env = os.environ if env is None else env
+    g = parser.add_argument_group("KV store")
+    g.add_argument("--connector", choices=CONNECTORS, default=d.connector,
+                   help="KV connector (env PDSERVE_CONNECTOR)")
+    g.add_argument("--kv-path", default=env.get("PDSERVE_KV_PATH") or None,
+                   help="fs connector directory (env PDSERVE_KV_PATH)")
+    g.add_argument("--redis-url", default=env.get("PDSERVE_REDIS_URL") or None,
+                   help="redis connector URL, redis://host:port (env PDSERVE_REDIS_URL)")
+    g.add_argument("--lmcache-url", default=env.get("PDSERVE_LMCACHE_URL") or None,
+                   help="LMCache remote, lm://host:port or redis://host:port (env PDSERVE_LMCACHE_URL)")
+    g.add_argument("--kv-ttl", type=_parse_ttl, default=_parse_ttl(env.get("PDSERVE_KV_TTL", DEFAULT_TTL_S)),
+                   help="seconds a stored block lives, 0 = forever (env PDSERVE_KV_TTL)")
+    g.add_argument("--kv-capacity", type=parse_bytes,
+                   default=parse_bytes(env.get("PDSERVE_KV_CAPACITY", DEFAULT_CAPACITY)),
+                   help="byte bound of the fs store / LMCache local buffer, e.g. 10GiB; 0 = unbounded "
+                        "(env PDSERVE_KV_CAPACITY)")
+    g.add_argument("--kv-key-prefix", default=env.get("PDSERVE_KV_KEY_PREFIX", ""),
+                   help="namespace before every store key (env PDSERVE_KV_KEY_PREFIX)")
+
+
+def build_connector(settings: KVStoreSettings) -> KVConnector | None:
+    """The connector ``settings`` describe, or None for ``none``. Raises ``ValueError`` on
+    bad settings and ``KVStoreError`` when the store cannot be reached at start."""
+    settings.validate()
+    ttl = settings.kv_ttl or None
+    cap = settings.kv_capacity or None
+    if settings.connector == "none":
+        return None
+    if settings.connector == "fs":
+        from kv_store.block_connector import BlockStoreConnector
+        from kv_store.fs_backend import FsBackend
+
+        assert settings.kv_path is not None
+        fs = FsBackend(settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix)
+        return BlockStoreConnector(fs, name="fs")
+    if settings.connector == "redis":
+        from kv_store.block_connector import BlockStoreConnector
+        from kv_store.redis_backend import RedisBackend
+
+        assert settings.redis_url is not None
+        rb = RedisBackend(settings.redis_url, ttl_s=ttl, key_prefix=settings.key_prefix)
+        rb.ping()  # fail loudly at start rather than on the first request
+        return BlockStoreConnector(rb, name="redis")
+    from kv_store.lmcache_connector import LMCacheConnector
+
+    assert settings.lmcache_url is not None
+    return LMCacheConnector(settings.lmcache_url, local_cpu_bytes=cap)

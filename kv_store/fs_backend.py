@@ -1,0 +1,249 @@
+"""Directory-backed block store (DESIGN §3 ``fs``): local disk, NFS or a Kubernetes volume.
+
+- Atomic writes: each value goes to a uniquely named temp file in the target directory and
+  is ``os.replace``d into place, so a reader sees the old value, the new one, or nothing —
+  never a torn one — with any number of writer and reader processes.
+- TTL: a file's mtime is its write time; older than ``ttl_s`` counts as missing and GC
+  deletes it. Reads do not extend it (like Redis ``SET EX``).
+- Capacity: reads set the file's atime to now (explicitly, so ``noatime`` mounts work);
+  when this process's running estimate of the directory's bytes passes ``capacity_bytes``
+  the writer runs GC, which rescans, drops expired files, then the least recently used
+  ones down to ``low_watermark`` of the capacity. The low watermark spaces GC runs apart.
+- Keys map to paths component by component (``a/b/c`` → ``root/a/b/<shard>/c``), each
+  component percent-encoded so no key can escape the root or collide with a temp file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from kv_store.base import Blob, KVStoreError, StorageBackend
+
+logger = logging.getLogger(__name__)
+
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
+
+
+@dataclass(slots=True)
+class _Entry:
+    path: str
+    size: int
+    atime: float
+    mtime: float
+
+
+def key_to_relpath(key: str) -> str:
+    """Relative file path of ``key``. ``ValueError`` for an empty key or component."""
+    parts = key.split("/")
+    if not key or any(not p for p in parts):
+        raise ValueError(f"invalid store key {key!r}: empty path component")
+    enc = [
+        quote(p, safe="-_.").replace(".", "%2E") if p.startswith(".") else quote(p, safe="-_.")
+        for p in parts
+    ]
+    leaf = enc[-1]
+    # Shard the leaf's directory (block hashes are uniform hex) so no directory grows huge.
+    return os.path.join(*enc[:-1], leaf[:2], leaf) if len(enc) > 1 else os.path.join(leaf[:2], leaf)
+
+
+class FsBackend(StorageBackend):
+    """A ``StorageBackend`` over a directory shared by any number of processes."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        ttl_s: float | None = None,
+        capacity_bytes: int | None = None,
+        low_watermark: float = 0.8,
+        key_prefix: str = "",
+        fsync: bool = False,
+    ) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 (or None for no TTL), got {ttl_s}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 (or None), got {capacity_bytes}")
+        if not 0.0 < low_watermark <= 1.0:
+            raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KVStoreError(f"cannot create KV directory {self.root}: {e}") from e
+        self.ttl_s = ttl_s
+        self.capacity_bytes = capacity_bytes
+        self.low_watermark = low_watermark
+        self.key_prefix = key_prefix
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._gc_lock = threading.Lock()
+        self._estimated_bytes = self._scan_total() if capacity_bytes else 0
+        # Without capacity pressure, expired records are still swept at this interval.
+        self._gc_interval_s = ttl_s / 2 if ttl_s is not None else None
+        self._next_gc_at = time.monotonic() + (self._gc_interval_s or 0.0)
+
+    # -- paths ------------------------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        """The file that holds ``key`` (it may not exist)."""
+        return self.root / key_to_relpath(self.key_prefix + key)
+
+    def _expired(self, mtime: float, now: float) -> bool:
+        return self.ttl_s is not None and now - mtime > self.ttl_s
+
+    # -- StorageBackend ---------------------------------------------------------------------
+    def exists(self, keys: list[str]) -> list[bool]:
+        now = time.time()
+        out = []
+        for key in keys:
+            try:
+                st = os.stat(self.path_of(key))
+            except FileNotFoundError:
+                out.append(False)
+                continue
+            except OSError as e:
+                raise KVStoreError(f"fs store: stat {key}: {e}") from e
+            out.append(not self._expired(st.st_mtime, now))
+        return out
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        return [self._get_one(k) for k in keys]
+
+    def _get_one(self, key: str) -> bytes | None:
+        path = self.path_of(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                now = time.time()
+                if self._expired(st.st_mtime, now):
+                    return None
+                data = f.read()  # sized from fstat: one copy, straight into a bytes object
+                # Mark as recently used for LRU GC; keep mtime (= write time, for TTL).
+                os.utime(f.fileno(), (now, st.st_mtime))
+                return data
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise KVStoreError(f"fs store: read {path}: {e}") from e
+
+    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        written = 0
+        for key, value in items:
+            written += self._put_one(key, value)
+        with self._lock:
+            self._estimated_bytes += written
+            over = self.capacity_bytes is not None and self._estimated_bytes > self.capacity_bytes
+            due = self._gc_interval_s is not None and time.monotonic() >= self._next_gc_at
+        if over or due:
+            self.gc()
+
+    def _put_one(self, key: str, value: Blob) -> int:
+        path = self.path_of(key)
+        tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(value).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise KVStoreError(f"fs store: write {path}: {e}") from e
+        return len(value)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self.path_of(key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise KVStoreError(f"fs store: delete {key}: {e}") from e
+
+    # -- garbage collection -----------------------------------------------------------------
+    def _scan(self) -> list[_Entry]:
+        """All record files under the root; removes stale temp files on the way."""
+        entries: list[_Entry] = []
+        now = time.time()
+        stack = [str(self.root)]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except FileNotFoundError:
+                continue
+            with it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                            continue
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed by another process meanwhile
+                    if e.name.startswith(_TMP_PREFIX):
+                        if now - st.st_mtime > _STALE_TMP_S:
+                            _unlink_quiet(e.path)
+                        continue
+                    entries.append(_Entry(e.path, st.st_size, st.st_atime, st.st_mtime))
+        return entries
+
+    def _scan_total(self) -> int:
+        return sum(e.size for e in self._scan())
+
+    def gc(self) -> int:
+        """Delete expired records, then least recently used ones until the store is under
+        ``low_watermark × capacity``. Returns the bytes freed. One GC at a time per
+        process; concurrent GCs in other processes only race to delete the same files."""
+        if not self._gc_lock.acquire(blocking=False):
+            return 0
+        try:
+            now = time.time()
+            entries = self._scan()
+            total = sum(e.size for e in entries)
+            freed = 0
+            live = []
+            for e in entries:
+                if self._expired(e.mtime, now):
+                    freed += e.size if _unlink_quiet(e.path) else 0
+                else:
+                    live.append(e)
+            if self.capacity_bytes is not None:
+                target = int(self.capacity_bytes * self.low_watermark)
+                live.sort(key=lambda e: max(e.atime, e.mtime))
+                for e in live:
+                    if total - freed <= target:
+                        break
+                    freed += e.size if _unlink_quiet(e.path) else 0
+            with self._lock:
+                self._estimated_bytes = total - freed
+                if self._gc_interval_s is not None:
+                    self._next_gc_at = time.monotonic() + self._gc_interval_s
+            if freed:
+                logger.info("fs store GC freed %d bytes under %s", freed, self.root)
+            return freed
+        finally:
+            self._gc_lock.release()
+
+
+def _unlink_quiet(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

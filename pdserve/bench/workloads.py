@@ -1,0 +1,272 @@
+"""Prompt workloads for `pdserve bench serve`: seeded, sized in tokens of a given tokenizer.
+
+Kinds:
+- `random`: random-token prompts; input and output lengths fixed (`128`) or uniform in an
+  inclusive range (`64:256`).
+- `sharegpt`: a synthetic ShareGPT-like mix: lognormal input and output lengths whose
+  medians are the given (fixed) lengths, clipped to [4, 8 x median] and [1, 4 x median].
+- `prefix`: `num_prefixes` groups; every prompt is its group's shared random prefix of
+  `prefix_len` tokens, a newline, then a unique random suffix of `input_len` tokens (to
+  study prefix caching and prefix-aware routing).
+- `jsonl`: one JSON object per line, `{"prompt": str, "max_tokens": int (optional)}`.
+Lengths are measured with the tokenizer (re-encoding decoded text can merge tokens, so a
+prompt's `prompt_len` is what the tokenizer counts for its final text).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+KINDS = ("random", "sharegpt", "prefix", "jsonl")
+# Without a tokenizer, prompts are made of these words, one "token" each.
+# fmt: off
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by",
+    "at", "from", "his", "her", "an", "be", "this", "are", "which", "have", "or", "had", "not",
+    "but", "were", "they", "one", "all", "their", "has", "been", "more", "when", "there",
+    "who", "also", "its", "time", "into", "after", "first", "new", "two", "other", "some",
+    "would", "may", "than", "only", "over", "years", "world", "city", "river", "stone", "light",
+    "water", "music", "garden", "paper", "window", "market", "school", "story", "number",
+    "system",
+)
+# fmt: on
+
+
+class TextCodec(Protocol):
+    """What workloads need from a tokenizer: encode, decode, and ids safe to sample."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def sample_pool(self) -> list[int]: ...
+
+
+class HFCodec:
+    """A Hugging Face tokenizer; special tokens never appear in generated prompts."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._pool = [i for i in range(len(tokenizer)) if i not in special]
+        if not self._pool:
+            raise ValueError("tokenizer has no non-special tokens to build prompts from")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids)))
+
+    def sample_pool(self) -> list[int]:
+        return self._pool
+
+
+class WordCodec:
+    """Tokenizer-free fallback: whitespace-separated words, one token each."""
+
+    def __init__(self) -> None:
+        self._index = {w: i for i, w in enumerate(_WORDS)}
+
+    def encode(self, text: str) -> list[int]:
+        return [self._index.get(w, 0) for w in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
+
+    def sample_pool(self) -> list[int]:
+        return list(range(len(_WORDS)))
+
+
+def load_codec(tokenizer_dir: str | None) -> TextCodec:
+    """A codec for a local Hugging Face tokenizer directory, or the word fallback."""
+    if tokenizer_dir is None:
+        return WordCodec()
+    if not Path(tokenizer_dir).is_dir():
+        raise ValueError(f"--tokenizer {tokenizer_dir!r} is not a directory")
+    from transformers import AutoTokenizer  # heavy: only when a tokenizer is asked for
+
+    return HFCodec(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One request's input: text, its token count, and the output length to ask for."""
+
+    text: str
+    prompt_len: int
+    max_tokens: int
+    group: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class LengthRange:
+    """An inclusive integer range; `low == high` is a fixed length."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, spec: str | int, name: str = "length") -> LengthRange:
+        """Parse `"128"`, `128` or `"64:256"` (also `"64-256"`); ValueError if malformed."""
+        text = str(spec).strip().replace("-", ":")
+        parts = text.split(":")
+        try:
+            nums = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"bad {name} {spec!r}: expected N or LOW:HIGH") from None
+        if len(nums) not in (1, 2) or min(nums) < 1:
+            raise ValueError(f"bad {name} {spec!r}: expected N or LOW:HIGH, all >= 1")
+        low, high = nums[0], nums[-1]
+        if low > high:
+            raise ValueError(f"bad {name} {spec!r}: LOW > HIGH")
+        return cls(low, high)
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+
+@dataclass(slots=True)
+class WorkloadSpec:
+    """Everything that determines a workload; same spec + same tokenizer -> same prompts."""
+
+    kind: str = "random"
+    num_prompts: int = 100
+    input_len: str = "256"
+    output_len: str = "64"
+    prefix_len: int = 256
+    num_prefixes: int = 4
+    path: str | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError on an unknown kind or inconsistent options."""
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown workload {self.kind!r}; choose one of {KINDS}")
+        if self.num_prompts < 1:
+            raise ValueError(f"number of prompts must be >= 1, got {self.num_prompts}")
+        LengthRange.parse(self.input_len, "input length")
+        LengthRange.parse(self.output_len, "output length")
+        if self.kind == "prefix" and (self.prefix_len < 1 or self.num_prefixes < 1):
+            raise ValueError("prefix workload needs prefix_len >= 1 and num_prefixes >= 1")
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("jsonl workload needs a path (--dataset-path)")
+
+
+def random_text(codec: TextCodec, n: int, rng: random.Random) -> tuple[str, int]:
+    """Text of about `n` tokens from random ids; returns (text, its actual token count)."""
+    pool = codec.sample_pool()
+    ids = [rng.choice(pool) for _ in range(n)]
+    text = codec.decode(ids)
+    # Decoding then encoding can merge or split tokens: nudge towards n a few times.
+    for _ in range(8):
+        got = codec.encode(text)
+        if len(got) == n:
+            return text, n
+        ids = got[:n] if len(got) > n else got + [rng.choice(pool) for _ in range(n - len(got))]
+        text = codec.decode(ids)
+    return text, len(codec.encode(text))
+
+
+def build_prompts(spec: WorkloadSpec, codec: TextCodec) -> list[Prompt]:
+    """The workload's prompts, `spec.num_prompts` of them (a JSONL file is cycled)."""
+    spec.validate()
+    rng = random.Random(spec.seed)
+    if spec.kind == "jsonl":
+        assert spec.path is not None  # validate() checked
+        return _jsonl_prompts(Path(spec.path), spec, codec, rng)
+    out_range = LengthRange.parse(spec.output_len, "output length")
+    in_range = LengthRange.parse(spec.input_len, "input length")
+    if spec.kind == "sharegpt":
+        return _sharegpt_prompts(spec, codec, rng, in_range, out_range)
+    if spec.kind == "prefix":
+        return _prefix_prompts(spec, codec, rng, in_range, out_range)
+    prompts = []
+    for _ in range(spec.num_prompts):
+        text, n = random_text(codec, in_range.sample(rng), rng)
+        prompts.append(Prompt(text, n, out_range.sample(rng)))
+    return prompts
+
+
+def _lognormal_len(rng: random.Random, median: int, sigma: float, low: int, high: int) -> int:
+    value = int(round(median * math.exp(rng.gauss(0.0, sigma))))
+    return max(low, min(high, value))
+
+
+def _sharegpt_prompts(
+    spec: WorkloadSpec,
+    codec: TextCodec,
+    rng: random.Random,
+    in_range: LengthRange,
+    out_range: LengthRange,
+) -> list[Prompt]:
+    if in_range.low != in_range.high or out_range.low != out_range.high:
+        raise ValueError("sharegpt workload takes fixed lengths (the medians), not ranges")
+    med_in, med_out = in_range.low, out_range.low
+    prompts = []
+    for _ in range(spec.num_prompts):
+        n_in = _lognormal_len(rng, med_in, 1.0, min(4, med_in), 8 * med_in)
+        n_out = _lognormal_len(rng, med_out, 0.8, 1, 4 * med_out)
+        text, n = random_text(codec, n_in, rng)
+        prompts.append(Prompt(text, n, n_out))
+    return prompts
+
+
+def _prefix_prompts(
+    spec: WorkloadSpec,
+    codec: TextCodec,
+    rng: random.Random,
+    in_range: LengthRange,
+    out_range: LengthRange,
+) -> list[Prompt]:
+    prefixes = [random_text(codec, spec.prefix_len, rng)[0] for _ in range(spec.num_prefixes)]
+    groups = [i % spec.num_prefixes for i in range(spec.num_prompts)]
+    rng.shuffle(groups)
+    prompts = []
+    for group in groups:
+        suffix, _ = random_text(codec, in_range.sample(rng), rng)
+        # The newline keeps the prefix's tokens intact: pre-tokenizers split at it.
+        text = f"{prefixes[group]}\n{suffix}"
+        prompts.append(Prompt(text, len(codec.encode(text)), out_range.sample(rng), group))
+    return prompts
+
+
+def _jsonl_prompts(
+    path: Path, spec: WorkloadSpec, codec: TextCodec, rng: random.Random
+) -> list[Prompt]:
+    if not path.is_file():
+        raise ValueError(f"dataset file {str(path)!r} does not exist")
+    out_range = LengthRange.parse(spec.output_len, "output length")
+    rows: list[Prompt] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            rows.append(_jsonl_row(line, f"{path}:{lineno}", codec, out_range, rng))
+    if not rows:
+        raise ValueError(f"dataset file {str(path)!r} has no prompts")
+    return [rows[i % len(rows)] for i in range(spec.num_prompts)]
+
+
+def _jsonl_row(
+    line: str, where: str, codec: TextCodec, out_range: LengthRange, rng: random.Random
+) -> Prompt:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f'{where}: expected an object with a non-empty "prompt" string')
+    max_tokens = obj.get("max_tokens", None)
+    if max_tokens is None:
+        max_tokens = out_range.sample(rng)
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f'{where}: "max_tokens" must be an integer >= 1')
+    return Prompt(prompt, len(codec.encode(prompt)), max_tokens)

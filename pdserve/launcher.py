@@ -1,0 +1,505 @@
+"""`pdserve up`: the whole system on one machine, as child processes.
+
+Starts the KV store when one is needed and not given (``redis-server`` or ``lmcache_server``
+on a free port; the ``fs`` store is a temporary directory), N prefill and M decode services,
+and the router on ``--host:--port``. Each child runs in its own process group with its
+output in a log file, and each engine process gets a fair share of the cores as torch
+threads. It waits (with a deadline) until every part reports healthy, prints a line
+containing ``pdserve is ready``, then supervises: Ctrl-C or SIGTERM stops everything
+(SIGTERM to each group, SIGKILL after a grace period), and a child that dies takes the
+system down with an error naming it and the tail of its log. The kernel also signals the
+children if the launcher itself is killed (PR_SET_PDEATHSIG), so nothing is left behind.
+
+Torch-free: only the children load engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.settings import (
+    add_env_argument,
+    fair_thread_share,
+    memory_size,
+    non_negative_int,
+    positive_int,
+)
+
+logger = logging.getLogger(__name__)
+
+Probe = Callable[[], bool]
+
+
+class LaunchError(RuntimeError):
+    """A part of the system could not be started (message names it)."""
+
+
+class Interrupted(LaunchError):
+    """Ctrl-C or SIGTERM arrived before the system was ready."""
+
+
+@dataclass(slots=True)
+class Child:
+    """One child process: its own process group, output to ``log_path``, a health probe."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    probe: Probe
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def exited(self) -> int | None:
+        """The exit status if the process has ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def signal_group(self, signum: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signum)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies (Linux), so a killed
+    launcher leaves no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def grpc_probe(address: str) -> Probe:
+    """True once the service at ``address`` answers the standard health check with SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def probe() -> bool:
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return probe
+
+
+def http_probe(url: str) -> Probe:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - loopback URL we built
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    return probe
+
+
+def tcp_probe(port: int, send: bytes = b"", expect: bytes = b"") -> Probe:
+    def probe() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+                if send:
+                    s.sendall(send)
+                    return s.recv(64).startswith(expect)
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+@dataclass(slots=True)
+class Launcher:
+    """Builds, starts, watches and stops the children of one `pdserve up`."""
+
+    args: argparse.Namespace
+    workdir: Path
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+
+    def python(self, *argv: str) -> list[str]:
+        return [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, *argv]
+
+    def child_env(self, threads: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            PYTHONHASHSEED="0",  # LMCache hashes token chunks with hash(); every process must agree
+            LMCACHE_TRACK_USAGE="false",
+            DO_NOT_TRACK="1",
+            TOKENIZERS_PARALLELISM="false",
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+        )
+        return env
+
+    def add(self, name: str, argv: list[str], probe: Probe) -> Child:
+        child = Child(name, argv, self.log_dir / f"{name}.log", probe)
+        self.children.append(child)
+        return child
+
+    def start(self, children: list[Child], env: dict[str, str]) -> None:
+        for child in children:
+            logger.debug("starting %s: %s", child.name, " ".join(child.argv))
+            child.start(env)
+
+    def wait_healthy(self, children: list[Child], deadline: float) -> None:
+        """Poll until every child is healthy; LaunchError if one exits or time runs out."""
+        pending = list(children)
+        while pending:
+            if self.stop_requested.is_set():
+                raise Interrupted("interrupted during startup")
+            for child in list(pending):
+                status = child.exited()
+                if status is not None:
+                    raise LaunchError(
+                        f"{child.name} exited with status {status} during startup; "
+                        f"last lines of {child.log_path}:\n{child.log_tail()}"
+                    )
+                if child.probe():
+                    logger.info("%s is healthy", child.name)
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                tails = "\n".join(
+                    f"--- {c.name} ({c.log_path}):\n{c.log_tail(10)}" for c in pending
+                )
+                raise LaunchError(
+                    f"not healthy within {self.args.startup_timeout:.0f} s: {names}\n{tails}"
+                )
+            self.stop_requested.wait(0.25)
+
+    def supervise(self) -> None:
+        """Until a stop is requested; LaunchError when a child dies meanwhile."""
+        while not self.stop_requested.wait(0.5):
+            for child in self.children:
+                status = child.exited()
+                if status is not None:
+                    raise LaunchError(
+                        f"{child.name} exited unexpectedly with status {status}; "
+                        f"last lines of {child.log_path}:\n{child.log_tail()}"
+                    )
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM every process group (router first, store last), SIGKILL what outlives ``grace``."""
+        for child in reversed(self.children):
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", child.name, grace)
+            # Kill the whole group even after a clean exit: grandchildren must not linger.
+            child.signal_group(signal.SIGKILL)
+            child.proc.wait()
+
+
+def _store_child(launcher: Launcher, args: argparse.Namespace) -> tuple[list[str], Child | None]:
+    """The connector flags for the services, and the store process to start (if any)."""
+    kind = args.connector
+    if kind == "fs":
+        path = args.kv_path or str(launcher.workdir / "kv")
+        return ["--connector", "fs", "--kv-path", path], None
+    if kind == "redis":
+        if args.redis_url:
+            return ["--connector", "redis", "--redis-url", args.redis_url], None
+        binary = _require_tool(
+            "redis-server", "install it (apt-get install redis-server) or pass --redis-url"
+        )
+        (port,) = free_ports(1)
+        argv = [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(launcher.workdir),
+        ]
+        child = launcher.add("redis", argv, tcp_probe(port, b"PING\r\n", b"+PONG"))
+        return ["--connector", "redis", "--redis-url", f"redis://127.0.0.1:{port}/0"], child
+    if args.lmcache_url:
+        return ["--connector", "lmcache", "--lmcache-url", args.lmcache_url], None
+    binary = _require_tool(
+        "lmcache_server",
+        "install the lmcache extra (pip install 'pdserve[lmcache]') or pass --lmcache-url",
+    )
+    (port,) = free_ports(1)
+    child = launcher.add("lmcache", [binary, "127.0.0.1", str(port)], tcp_probe(port))
+    return ["--connector", "lmcache", "--lmcache-url", f"lm://127.0.0.1:{port}"], child
+
+
+def _require_tool(name: str, hint: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+    if not found:
+        raise LaunchError(f"{name} not found on PATH: {hint}")
+    return found
+
+
+def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
+    flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
+    for flag, value in (
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--kv-cache-memory", args.kv_cache_memory),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def build_plan(
+    launcher: Launcher, model_dir: str
+) -> tuple[list[Child], list[Child], dict[str, str]]:
+    """Declare every child: (store children, service + router children, service env)."""
+    args = launcher.args
+    num_engines = args.prefill + args.decode
+    threads = args.torch_threads or fair_thread_share(num_engines)
+    connector_flags, store = (
+        ([], None) if args.mode == "colocated" else _store_child(launcher, args)
+    )
+    engine_flags = _engine_flags(args, model_dir, threads)
+    ports = free_ports(2 * num_engines)
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    services: list[Child] = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            port, metrics_port = ports.pop(), ports.pop()
+            address = f"127.0.0.1:{port}"
+            argv = launcher.python(
+                role,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                *engine_flags,
+                *connector_flags,
+            )
+            services.append(launcher.add(f"{role}-{i}", argv, grpc_probe(address)))
+            urls[role].append(address)
+    router_argv = launcher.python(
+        "router",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--model",
+        model_dir,
+        "--mode",
+        args.mode,
+        "--prefill-urls",
+        ",".join(urls["prefill"]),
+        "--decode-urls",
+        ",".join(urls["decode"]),
+    )
+    router = launcher.add(
+        "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
+    )
+    logger.info("%d engine process(es), %d torch thread(s) each", num_engines, threads)
+    return ([store] if store else []), [*services, router], launcher.child_env(threads)
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.prefill is None:
+        args.prefill = 0 if args.mode == "colocated" else 1
+    if args.decode < 1:
+        raise LaunchError("--decode must be >= 1: decode instances stream every response")
+    if args.mode == "disaggregated" and args.prefill < 1:
+        raise LaunchError("--mode disaggregated needs --prefill >= 1 (or use --mode colocated)")
+    if args.mode == "colocated" and args.prefill > 0:
+        raise LaunchError(
+            "--mode colocated runs no prefill instances: use --prefill 0 (or --mode auto)"
+        )
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Entry point of `pdserve up`: 0 after a requested stop, 1 when a part failed."""
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
+    launcher = Launcher(args, workdir, log_dir)
+    previous = {
+        s: signal.signal(s, lambda *_: launcher.stop_requested.set())
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        _check_counts(args)
+        from pdserve.models import resolve_model
+
+        model_dir = resolve_model(args.model)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stores, parts, env = build_plan(launcher, model_dir)
+        url = f"http://{_connect_host(args.host)}:{args.port}/v1"
+        _print(
+            f"pdserve: starting {len(parts) - 1} engine service(s) and the router for {model_dir}; logs in {log_dir}"
+        )
+        deadline = time.monotonic() + args.startup_timeout
+        launcher.start(stores, env)
+        launcher.wait_healthy(stores, deadline)
+        launcher.start(parts, env)
+        _print(
+            f"pdserve: router listening on {url} (mode {args.mode}); waiting for every part to be healthy"
+        )
+        launcher.wait_healthy(parts, deadline)
+        _print(f"pdserve is ready: {url} (Ctrl-C to stop)")
+        launcher.supervise()
+        _print("pdserve: stopping")
+        return 0
+    except Interrupted:
+        _print("pdserve: interrupted during startup; stopping")
+        return 0
+    except (LaunchError, ValueError) as exc:
+        _print(f"pdserve up failed: {exc}", err=True)
+        return 1
+    finally:
+        launcher.stop_all(args.shutdown_grace)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print(line: str, *, err: bool = False) -> None:
+    """CLI output (the launcher's user interface), flushed at once for pipes and tests."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `pdserve up`; each flag also reads its ``PDSERVE_*`` twin (``--port`` ← PDSERVE_PORT)."""
+    parser = subparsers.add_parser(
+        "up", help="run router + prefill + decode services locally", description=__doc__
+    )
+    add_env_argument(parser, "--model", default="smollm2", help="model name or local HF directory")
+    add_env_argument(
+        parser,
+        "--prefill",
+        type=non_negative_int,
+        default=None,
+        help="prefill instances (1; 0 when colocated)",
+    )
+    add_env_argument(parser, "--decode", type=positive_int, default=1, help="decode instances")
+    add_env_argument(
+        parser,
+        "--mode",
+        default="disaggregated",
+        choices=["disaggregated", "colocated", "auto"],
+        help="router mode",
+    )
+    add_env_argument(
+        parser, "--connector", default="fs", choices=["fs", "redis", "lmcache"], help="KV store"
+    )
+    add_env_argument(
+        parser, "--kv-path", default=None, help="fs store directory (a temporary one if unset)"
+    )
+    add_env_argument(
+        parser, "--redis-url", default=None, help="use this Redis instead of starting one"
+    )
+    add_env_argument(
+        parser,
+        "--lmcache-url",
+        default=None,
+        help="use this LMCache server instead of starting one",
+    )
+    add_env_argument(parser, "--host", default="127.0.0.1", help="router listen address")
+    add_env_argument(parser, "--port", type=positive_int, default=8000, help="router port")
+    add_env_argument(
+        parser, "--device", default="cpu", choices=["cpu", "cuda"], help="engine device"
+    )
+    add_env_argument(parser, "--max-num-seqs", type=positive_int, default=None, help="per engine")
+    add_env_argument(
+        parser, "--max-num-batched-tokens", type=positive_int, default=None, help="per engine"
+    )
+    add_env_argument(
+        parser, "--kv-cache-memory", type=memory_size, default=None, help="per engine, e.g. 512M"
+    )
+    add_env_argument(
+        parser,
+        "--torch-threads",
+        type=non_negative_int,
+        default=0,
+        help="per engine; 0 = cores // engines",
+    )
+    add_env_argument(
+        parser,
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for every part to be healthy",
+    )
+    add_env_argument(
+        parser,
+        "--shutdown-grace",
+        type=float,
+        default=20.0,
+        help="seconds children get to exit before SIGKILL",
+    )
+    add_env_argument(
+        parser,
+        "--log-dir",
+        default=None,
+        help="keep child logs here (default: a temp dir, removed)",
+    )
+    parser.set_defaults(func=run_up)

@@ -1,0 +1,134 @@
+"""What the prefill and decode servicers share: admission, in-flight tracking, Abort, GetLoad.
+
+``EngineServiceCore`` owns the set of requests this service is running. A request is
+admitted only while the service is not draining and (with ``max_waiting``) the engine's
+queue has room; it leaves the set when its stream ends however it ends, and an unfinished
+engine request is aborted then — this is how a client's cancellation or an expired deadline
+frees the engine's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc.aio
+
+from pdserve.v1 import pdserve_pb2 as pb
+from prefill_service.errors import EngineFull, ServiceUnavailable
+from prefill_service.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineServiceCore:
+    """State shared by a service's RPC handlers. ``engine`` is a started ``AsyncLLMEngine``."""
+
+    role: str
+    engine: Any
+    metrics: ServiceMetrics
+    model_name: str
+    max_waiting: int = 0
+    draining: bool = False
+    _inflight: set[str] = field(default_factory=set)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def new_request_id(self, given: str) -> str:
+        """The caller's id, or a fresh one; ValueError if that id is already running here."""
+        request_id = given or f"{self.role}-{uuid.uuid4().hex}"
+        if request_id in self._inflight:
+            raise ValueError(f"request_id {request_id!r} is already in flight on this instance")
+        return request_id
+
+    def admit(self) -> None:
+        """Raise unless a new request may start now (draining → UNAVAILABLE, full → RESOURCE_EXHAUSTED)."""
+        if self.draining:
+            raise ServiceUnavailable(
+                f"{self.role} instance is draining (shutting down); use another instance"
+            )
+        if self.max_waiting:
+            waiting = self.engine.get_load().waiting
+            if waiting >= self.max_waiting:
+                raise EngineFull(
+                    f"{self.role} engine queue is full ({waiting} waiting); retry later or elsewhere"
+                )
+
+    async def run(
+        self, request_id: str, prompt: list[int], params: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """``engine.generate`` with bookkeeping: tracked while running, aborted if left early."""
+        self._inflight.add(request_id)
+        self._idle.clear()
+        completed = False
+        try:
+            async for out in self.engine.generate(request_id, prompt, params, **kwargs):
+                yield out
+            completed = True
+        finally:
+            self._inflight.discard(request_id)
+            if not self._inflight:
+                self._idle.set()
+            if not completed:
+                # Cancelled, deadline passed or failed mid-way: free the engine's blocks now.
+                await _quiet_abort(self.engine, request_id)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no request is in flight; True if it got there."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """Abort a running request; ``found`` is False when it is unknown or already done.
+        Its stream then ends with finish_reason "abort"."""
+        found = request.request_id in self._inflight
+        if found:
+            await self.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadInfo:
+        """The engine's live load (the router's ``least_load`` and ``auto`` decisions use it)."""
+        load = self.engine.get_load()
+        return pb.LoadInfo(
+            waiting=load.waiting + getattr(load, "waiting_for_remote_kv", 0),
+            running=load.running,
+            free_kv_blocks=load.free_blocks,
+            total_kv_blocks=load.total_blocks,
+            prefix_hit_rate=load.prefix_hit_rate,
+            model_fingerprint=self.engine.model_fingerprint,
+            model_name=self.model_name,
+            draining=self.draining,
+        )
+
+
+async def _quiet_abort(engine: Any, request_id: str) -> None:
+    try:
+        await asyncio.shield(engine.abort(request_id))
+    except Exception:  # the request may have finished meanwhile; nothing left to free
+        logger.debug("abort of %s after early exit failed", request_id, exc_info=True)

@@ -1,0 +1,134 @@
+"""Protobuf ↔ engine conversions and request validation, shared by both servicers.
+
+Protobuf stays at this edge: servicers turn messages into engine objects here, and engine
+outputs back into messages. Every validation failure is a ``ValueError`` whose message names
+the field (the interceptor maps it to INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput, TokenLogprob
+    from engine.sampling_params import SamplingParams
+
+
+def sampling_params_from_proto(
+    msg: pb.SamplingParams, *, max_tokens: int | None = None
+) -> SamplingParams:
+    """Engine ``SamplingParams`` from the wire message (raises ValueError on bad ranges).
+
+    proto3 cannot tell "unset" from zero for plain scalars, so zero means "the OpenAI
+    default" for top_p (1.0) and repetition_penalty (1.0), and top_k 0 means off (-1).
+    ``max_tokens`` overrides the message's (prefill always samples exactly one token).
+    """
+    from engine.sampling_params import SamplingParams
+
+    want_logprobs = msg.return_logprobs or msg.logprobs > 0
+    return SamplingParams(
+        max_tokens=int(msg.max_tokens) if max_tokens is None else max_tokens,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p else 1.0,
+        top_k=int(msg.top_k) if msg.top_k else -1,
+        min_p=float(msg.min_p),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        stop_token_ids=[int(t) for t in msg.stop_token_ids],
+        ignore_eos=bool(msg.ignore_eos),
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
+        logprobs=int(msg.logprobs) if want_logprobs else None,
+        skip_special_tokens=bool(msg.skip_special_tokens),
+    )
+
+
+def validate_token_ids(
+    name: str, token_ids: Sequence[int], *, vocab_size: int, allow_empty: bool = False
+) -> list[int]:
+    """The ids as a list; ValueError when empty (unless allowed) or outside the vocabulary."""
+    ids = [int(t) for t in token_ids]
+    if not ids and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} contains token id {bad}, outside the model's vocabulary of {vocab_size}"
+        )
+    return ids
+
+
+def check_length(num_prompt: int, num_total: int, max_model_len: int) -> None:
+    """ValueError when the prompt plus requested tokens cannot fit the model's context."""
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt} tokens; the model's context is {max_model_len} tokens "
+            "and at least one must be left for output"
+        )
+    if num_total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens asks for {num_total} tokens, "
+            f"more than the model's context of {max_model_len}"
+        )
+
+
+def logprobs_to_proto(items: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    """Wire logprobs (chosen token plus its top alternatives, best first)."""
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in items or ()
+    ]
+
+
+def phase_timings(
+    out: RequestOutput, *, compute_s: float = 0.0, kv_save_s: float = 0.0
+) -> pb.PhaseTimings:
+    """Timings for a chunk: the engine's queue and KV-load figures plus the service's own."""
+    return pb.PhaseTimings(
+        queue_s=out.queue_seconds,
+        compute_s=max(0.0, compute_s),
+        kv_save_s=kv_save_s,
+        kv_load_s=out.kv_load_seconds,
+        kv_blocks_loaded=out.kv_blocks_loaded,
+        kv_blocks_recomputed=out.kv_blocks_recomputed,
+    )
+
+
+def kv_handle_fields(engine: Any) -> dict[str, Any]:
+    """This engine's compatibility fields, as they appear in a ``KvHandle``."""
+    layout = engine.kv_layout
+    return {
+        "model_fingerprint": engine.model_fingerprint,
+        "layout_version": int(layout.version),
+        "dtype": str(layout.dtype),
+        "block_size": int(layout.block_size),
+    }
+
+
+def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
+    """ValueError naming every field in which ``handle`` differs from this engine's layout.
+
+    Reading blocks of another model, layout, dtype or block size would silently produce
+    garbage, so an incompatible handle is always refused (whatever ``--kv-load-failure``
+    says): it means the prefill and decode pools are misconfigured, which recomputing
+    would hide.
+    """
+    mine = kv_handle_fields(engine)
+    theirs = {key: getattr(handle, key) for key in mine}
+    diffs = [f"{key} {theirs[key]!r} != {mine[key]!r}" for key in mine if theirs[key] != mine[key]]
+    if diffs:
+        raise ValueError(
+            "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
+            + "; ".join(diffs)
+        )
+    if handle.num_tokens < 1 or not handle.block_keys:
+        raise ValueError("kv_handle has no blocks (num_tokens and block_keys must be set)")

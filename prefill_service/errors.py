@@ -1,0 +1,136 @@
+"""Domain errors → gRPC status codes, in one server interceptor (both services use it).
+
+Servicers raise plain Python errors; this layer turns them into status codes so that every
+RPC answers the same way:
+
+- ``ValueError`` (bad prompt, bad sampling parameters, incompatible KV handle) → INVALID_ARGUMENT
+- ``EngineFull`` → RESOURCE_EXHAUSTED
+- ``ServiceUnavailable`` (draining), ``KVStoreError``, ``KVRecordError``, ``ConnectionError`` → UNAVAILABLE
+- ``TimeoutError`` → DEADLINE_EXCEEDED
+- anything else → INTERNAL (logged with its traceback)
+
+It also counts every RPC by outcome (``ok``, ``cancelled``, ``deadline_exceeded`` or the
+status code's name) in ``pdserve_service_requests_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from kv_store.base import KVRecordError, KVStoreError
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_PREFIX = "/grpc.health.v1."
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service cannot take this request now (draining, store down); try another instance."""
+
+
+class EngineFull(RuntimeError):
+    """The engine's waiting queue is at its limit; try later or elsewhere."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code a domain error maps to (order matters: KVRecordError is a ValueError)."""
+    if isinstance(exc, ServiceUnavailable | KVStoreError | KVRecordError | ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, EngineFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, ValueError | TypeError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+OutcomeRecorder = Callable[[str, str], None]
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every unary-unary and unary-stream handler with the mapping above."""
+
+    def __init__(self, record_outcome: OutcomeRecorder | None = None) -> None:
+        self._record = record_outcome or (lambda _method, _outcome: None)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_HEALTH_PREFIX):
+            return handler
+        rpc = method.rsplit("/", 1)[-1]
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(rpc, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(rpc, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap_unary(self, rpc: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                await self._fail(rpc, exc, context)
+                raise
+            self._record(rpc, "ok")
+            return response
+
+        return unary
+
+    def _wrap_stream(self, rpc: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except BaseException as exc:
+                await self._fail(rpc, exc, context)
+                raise
+            self._record(rpc, "ok")
+
+        return stream
+
+    async def _fail(self, rpc: str, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        """Record the outcome and, for a domain error, abort the RPC with its status code.
+
+        ``context.abort`` raises ``AbortError``, which replaces ``exc`` on the way out. Errors
+        that already carry a status (an earlier ``abort``) and cancellations only get counted.
+        """
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            self._record(rpc, "deadline_exceeded" if expired else "cancelled")
+            return
+        if isinstance(exc, grpc.aio.AbortError):
+            code = context.code()
+            self._record(rpc, code.name.lower() if isinstance(code, grpc.StatusCode) else "aborted")
+            return
+        if not isinstance(exc, Exception):
+            return
+        code = status_for(exc)
+        self._record(rpc, code.name.lower())
+        if code is grpc.StatusCode.INTERNAL:
+            logger.exception("%s failed", rpc, exc_info=exc)
+            message = f"internal error: {type(exc).__name__}: {exc}"
+        else:
+            logger.info("%s refused (%s): %s", rpc, code.name, exc)
+            message = str(exc)
+        await context.abort(code, message)

@@ -1,0 +1,146 @@
+"""Process lifecycle of an engine service (prefill or decode): build, serve, drain, exit.
+
+``run_service`` loads the engine, starts the gRPC server (with the error-mapping
+interceptor and ``grpc.health.v1``) and the ``/metrics`` HTTP server, reports SERVING, and
+waits for SIGTERM or SIGINT. Then it drains: health turns NOT_SERVING, new requests are
+refused with UNAVAILABLE, in-flight requests get ``--drain-grace`` seconds to finish, and
+only then does the server stop and the engine shut down. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve.settings import engine_config_from_args
+from prefill_service.base import EngineServiceCore
+from prefill_service.errors import ErrorMappingInterceptor
+from prefill_service.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+# (server, core, connector) -> the fully qualified service names it registered
+Register = Callable[[grpc.aio.Server, EngineServiceCore, Any], list[str]]
+
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),  # a second service on the same port must fail, not share it
+]
+
+
+def configure_threads(torch_threads: int) -> None:
+    """Apply ``--torch-threads`` before any torch work (the launcher hands out fair shares)."""
+    if torch_threads <= 0:
+        return
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    # RuntimeError if an earlier parallel region already fixed it: harmless.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def build_connector(args: argparse.Namespace) -> Any | None:
+    """The KV connector named by the connector flags, or None for ``--connector none``."""
+    from kv_store.factory import KVStoreSettings
+    from kv_store.factory import build_connector as factory_build
+
+    settings = KVStoreSettings.from_args(args)
+    return factory_build(settings)
+
+
+def run_service(args: argparse.Namespace, *, role: str, register: Register) -> int:
+    """Run one service process until it is signalled; returns the exit status."""
+    configure_threads(args.torch_threads)
+    return asyncio.run(_serve(args, role, register))
+
+
+async def _serve(args: argparse.Namespace, role: str, register: Register) -> int:
+    from engine.async_engine import AsyncLLMEngine
+
+    config = engine_config_from_args(args)
+    connector = build_connector(args)
+    engine = AsyncLLMEngine(config, connector)
+    await engine.start()
+    metrics = ServiceMetrics.create(role)
+    metrics.watch_engine(engine.get_load, connector)
+    core = EngineServiceCore(
+        role=role,
+        engine=engine,
+        metrics=metrics,
+        model_name=args.model,
+        max_waiting=args.max_waiting,
+    )
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor(metrics.record_outcome)], options=_GRPC_OPTIONS
+    )
+    names = register(server, core, connector)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    metrics_server = None
+    try:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
+        if args.metrics_port:
+            metrics_server = metrics.serve(args.host, args.metrics_port)
+        await server.start()
+        for name in ["", *names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "%s service serving on %s:%d (metrics :%s, model %s, pid %d)",
+            role,
+            args.host,
+            port,
+            args.metrics_port or "off",
+            args.model,
+            os.getpid(),
+        )
+        await _drain_on_signal(core, health_servicer, args.drain_grace)
+        await server.stop(grace=2.0)
+    finally:
+        await engine.shutdown()
+        if connector is not None:
+            connector.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+    logger.info("%s service stopped", role)
+    return 0
+
+
+async def _drain_on_signal(core: EngineServiceCore, health_servicer: Any, grace: float) -> None:
+    """Block until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new, finish in-flight."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        (hurry if stop.is_set() else stop).set()
+        logger.info("received %s", signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
+    core.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    logger.info("draining: %d request(s) in flight, up to %.1f s", core.num_inflight, grace)
+    idle = asyncio.create_task(core.wait_idle(grace))
+    hurried = asyncio.create_task(hurry.wait())
+    done, _ = await asyncio.wait({idle, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (idle, hurried):
+        task.cancel()
+    if idle not in done or not idle.result():
+        logger.warning(
+            "drain ended with %d request(s) still in flight; they are cut off", core.num_inflight
+        )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(signum)

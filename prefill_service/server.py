@@ -1,0 +1,53 @@
+"""`pdserve prefill`: the prefill gRPC service process (engine as KV producer).
+
+Run it with ``python -m prefill_service.server`` or ``pdserve prefill``; every flag has a
+``PDSERVE_*`` environment twin (see ``pdserve prefill --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import grpc.aio
+
+from pdserve.settings import add_service_arguments
+from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from prefill_service.base import EngineServiceCore
+from prefill_service.runtime import run_service
+from prefill_service.servicer import PrefillServicer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Service, engine and KV connector flags of the prefill service."""
+    from kv_store.factory import add_cli_arguments
+
+    add_service_arguments(parser, role="prefill")
+    add_cli_arguments(parser)
+
+
+def register(server: grpc.aio.Server, core: EngineServiceCore, connector: Any) -> list[str]:
+    name = getattr(connector, "name", "none") if connector is not None else "none"
+    pdserve_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(core, name), server)
+    return [pdserve_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `pdserve prefill` (parsed flags in, exit status out)."""
+    return run_service(args, role="prefill", register=register)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

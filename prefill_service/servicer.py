@@ -1,0 +1,107 @@
+"""``PrefillService``: the engine as KV producer (DESIGN §1 steps 3–4).
+
+``Prefill`` runs the prompt with ``max_tokens=1`` and ``save_kv=True``. Its stream carries
+two events: ``first_token`` the moment the token is sampled (TTFT never waits for the KV
+save), then ``kv_committed`` with the ``KvHandle`` once every prompt block the store lacked
+is written. A store failure after the first token ends the stream with UNAVAILABLE, so
+the router knows the handle never came and can fall back to local prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc.aio
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from prefill_service.base import EngineServiceCore
+from prefill_service.convert import (
+    check_length,
+    kv_handle_fields,
+    logprobs_to_proto,
+    phase_timings,
+    sampling_params_from_proto,
+    validate_token_ids,
+)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    """gRPC handlers over an ``EngineServiceCore``; ``connector_name`` goes into handles."""
+
+    def __init__(self, core: EngineServiceCore, connector_name: str) -> None:
+        self._core = core
+        self._connector_name = connector_name
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PrefillEvent]:
+        core = self._core
+        core.admit()
+        request_id = core.new_request_id(request.request_id)
+        prompt = validate_token_ids(
+            "prompt_token_ids", request.prompt_token_ids, vocab_size=core.vocab_size
+        )
+        check_length(len(prompt), len(prompt) + 1, core.max_model_len)
+        params = sampling_params_from_proto(request.params, max_tokens=1)
+        start = time.monotonic()
+        first_at: float | None = None
+        last: Any = None
+        async for out in core.run(
+            request_id, prompt, params, save_kv=True, priority=request.priority
+        ):
+            last = out
+            if out.new_token_ids and first_at is None:
+                first_at = time.monotonic()
+                yield pb.PrefillEvent(
+                    first_token=self._first_token(out),
+                    timings=phase_timings(out, compute_s=first_at - start - out.queue_seconds),
+                )
+            if out.kv_saved is not None:
+                saved = out.kv_saved
+                timings = phase_timings(
+                    out,
+                    compute_s=(first_at or time.monotonic()) - start - out.queue_seconds,
+                    kv_save_s=saved.seconds,
+                )
+                core.metrics.observe_timings(timings)
+                yield pb.PrefillEvent(
+                    kv_committed=pb.KvHandle(
+                        **kv_handle_fields(core.engine),
+                        block_keys=saved.block_keys,
+                        num_tokens=saved.num_tokens,
+                        connector=self._connector_name,
+                    ),
+                    timings=timings,
+                )
+                return
+        if last is not None and last.finish_reason == "abort":
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {request_id} was aborted")
+        raise RuntimeError(f"engine finished request {request_id} without reporting its saved KV")
+
+    @staticmethod
+    def _first_token(out: Any) -> pb.FirstToken:
+        """The first token; ``finished`` only when the request itself ends there (EOS or a
+        stop condition) — the forced ``max_tokens=1`` of prefill is not an ending."""
+        stopped = out.finished and out.finish_reason == "stop"
+        logprobs = logprobs_to_proto(out.logprobs)
+        return pb.FirstToken(
+            token_id=out.new_token_ids[0],
+            text=out.new_text,
+            logprob=logprobs[0] if logprobs else None,
+            num_cached_tokens=out.num_cached_tokens,
+            finished=stopped,
+            finish_reason="stop" if stopped else "",
+        )
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return await self._core.Abort(request, context)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadInfo:
+        return await self._core.GetLoad(request, context)

@@ -1,0 +1,109 @@
+"""OpenAI-style errors: one exception type, the error body, and the app's handlers.
+
+Every error the router returns has the body ``{"error": {"message", "type", "param",
+"code"}}`` that the official ``openai`` client parses. FastAPI's 422 validation errors are
+turned into 400s with that body, because OpenAI clients expect 400 for bad requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# HTTP status → OpenAI error ``type``.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First validation problem as ``(message, param)``; ``param`` is the dotted field path."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    text = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem(s))"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the OpenAI body (422 → 400)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = _TYPES.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(
+            error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in router: %s", exc)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "internal_server_error"), status_code=500
+        )

@@ -1,0 +1,204 @@
+"""OpenAI request bodies (pydantic, the HTTP edge) and their mapping to router parameters.
+
+Validation is strict (no "5" for 5, no true for 1) and range-checked, so a bad request is
+answered 400 before it costs a prefill. Fields the engine cannot honour are refused with a
+clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.errors import bad_request
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+SEED_SPACE = 2**63  # the engine's seeded sampler takes seeds in [0, 2**63)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    pdserve_timings: bool = False
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _CommonRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop accepts at most {MAX_STOP} strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported by this server")
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+@dataclass(slots=True)
+class GenParams:
+    """Sampling parameters inside the router (what goes into ``SamplingParams`` on the wire).
+
+    ``max_tokens`` None means "fill the context"; the app resolves it per prompt. ``seed`` is
+    always set (the router draws one when the client did not) so that a stream resumed on
+    another decode instance samples exactly what the lost one would have.
+    """
+
+    seed: int
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None = off; k = chosen token + top-k alternatives
+    skip_special_tokens: bool = True
+
+    def choice_seed(self, index: int) -> int:
+        """Seed of choice ``index``: choice 0 uses the request's seed (so n=1 matches the
+        offline engine with the same seed); the others get distinct derived seeds."""
+        if index == 0:
+            return self.seed
+        digest = hashlib.sha256(f"{self.seed}:{index}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") % SEED_SPACE
+
+
+def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | None) -> GenParams:
+    """Map the validated body to :class:`GenParams`; ranges were checked by pydantic."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    top_k = -1 if req.top_k in (None, 0) else int(req.top_k)
+    seed = secrets.randbelow(SEED_SPACE) if req.seed is None else req.seed % SEED_SPACE
+    return GenParams(
+        seed=seed,
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        stop=stops,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def completion_params(req: CompletionRequest) -> GenParams:
+    # The legacy completions API defaults to 16 tokens.
+    return gen_params(req, max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest) -> GenParams:
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("max_tokens and max_completion_tokens disagree; give one", "max_completion_tokens")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return gen_params(req, max_tokens=max_tokens, logprobs=logprobs)
