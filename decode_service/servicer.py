@@ -24,11 +24,10 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from prefill_service.base import EngineServiceCore
 from prefill_service.convert import (
     check_handle_compatible,
-    check_length,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
-    validate_token_ids,
+    token_ids,
 )
 
 
@@ -43,22 +42,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         from engine.request import RemoteKV
 
         core = self._core
-        prompt = validate_token_ids(
-            "prompt_token_ids", request.prompt_token_ids, vocab_size=core.vocab_size
-        )
-        generated = validate_token_ids(
-            "generated_token_ids",
-            request.generated_token_ids,
-            vocab_size=core.vocab_size,
-            allow_empty=True,
-        )
+        prompt = token_ids("prompt_token_ids", request.prompt_token_ids)
+        generated = token_ids("generated_token_ids", request.generated_token_ids, allow_empty=True)
         params = sampling_params_from_proto(request.params)
-        if params.max_tokens <= len(generated):
-            raise ValueError(
-                f"max_tokens ({params.max_tokens}) must exceed the {len(generated)} tokens already "
-                "generated: it is the request's total, and nothing would be left to decode"
-            )
-        check_length(len(prompt), len(prompt) + params.max_tokens, core.max_model_len)
         remote_kv = None
         if request.HasField("kv_handle"):
             handle = request.kv_handle

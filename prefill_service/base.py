@@ -41,14 +41,6 @@ class EngineServiceCore:
     def __post_init__(self) -> None:
         self._idle.set()
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.engine.vocab_size)
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
-
     def new_request_id(self, given: str) -> str:
         """The caller's id, or a fresh one; ValueError if that id is already running here."""
         request_id = given or f"{self.role}-{uuid.uuid4().hex}"
@@ -116,7 +108,7 @@ class EngineServiceCore:
         """The engine's live load (the router's ``least_load`` and ``auto`` decisions use it)."""
         load = self.engine.get_load()
         return pb.LoadInfo(
-            waiting=load.waiting + getattr(load, "waiting_for_remote_kv", 0),
+            waiting=load.waiting,  # includes requests waiting for remote KV
             running=load.running,
             free_kv_blocks=load.free_blocks,
             total_kv_blocks=load.total_blocks,

@@ -47,33 +47,13 @@ def sampling_params_from_proto(
     )
 
 
-def validate_token_ids(
-    name: str, token_ids: Sequence[int], *, vocab_size: int, allow_empty: bool = False
-) -> list[int]:
-    """The ids as a list; ValueError when empty (unless allowed) or outside the vocabulary."""
-    ids = [int(t) for t in token_ids]
-    if not ids and not allow_empty:
+def token_ids(name: str, ids: Sequence[int], *, allow_empty: bool = False) -> list[int]:
+    """The ids as a list; ValueError when empty (unless allowed). Range and length checks
+    against the model (vocabulary, context) are the engine's, which raises ValueError too."""
+    out = [int(t) for t in ids]
+    if not out and not allow_empty:
         raise ValueError(f"{name} must not be empty")
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(
-            f"{name} contains token id {bad}, outside the model's vocabulary of {vocab_size}"
-        )
-    return ids
-
-
-def check_length(num_prompt: int, num_total: int, max_model_len: int) -> None:
-    """ValueError when the prompt plus requested tokens cannot fit the model's context."""
-    if num_prompt >= max_model_len:
-        raise ValueError(
-            f"prompt has {num_prompt} tokens; the model's context is {max_model_len} tokens "
-            "and at least one must be left for output"
-        )
-    if num_total > max_model_len:
-        raise ValueError(
-            f"prompt ({num_prompt} tokens) + max_tokens asks for {num_total} tokens, "
-            f"more than the model's context of {max_model_len}"
-        )
+    return out
 
 
 def logprobs_to_proto(items: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:

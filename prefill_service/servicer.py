@@ -19,12 +19,11 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from prefill_service.base import EngineServiceCore
 from prefill_service.convert import (
-    check_length,
     kv_handle_fields,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
-    validate_token_ids,
+    token_ids,
 )
 
 
@@ -41,10 +40,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         core = self._core
         core.admit()
         request_id = core.new_request_id(request.request_id)
-        prompt = validate_token_ids(
-            "prompt_token_ids", request.prompt_token_ids, vocab_size=core.vocab_size
-        )
-        check_length(len(prompt), len(prompt) + 1, core.max_model_len)
+        prompt = token_ids("prompt_token_ids", request.prompt_token_ids)
         params = sampling_params_from_proto(request.params, max_tokens=1)
         start = time.monotonic()
         first_at: float | None = None

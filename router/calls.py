@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +23,11 @@ import grpc
 
 from pdserve.v1 import pdserve_pb2
 from router.errors import APIError
+from router.estimator import AutoEstimator
 from router.metrics import RouterMetrics
 from router.policies import RouteContext
 from router.pool import Instance, InstancePool
+from router.tokenizer import ModelShape
 from router.trace import Delta, Job, TokenLogprob, Trace
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class LegContext:
     prefill_timeout: float
     prefill_retries: int
     decode_failovers: int
+    shape: ModelShape
+    estimator: AutoEstimator = field(default_factory=AutoEstimator)
     abort_timeout: float = 2.0
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -97,7 +100,12 @@ def sampling_proto(job: Job, index: int) -> pdserve_pb2.SamplingParams:
 
 
 def logprobs_of(items: Any) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=False))) for lp in items]
+    return [
+        TokenLogprob(
+            lp.token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=False))
+        )
+        for lp in items
+    ]
 
 
 def _deadline(job: Job, cap: float | None = None) -> float:
@@ -126,10 +134,14 @@ class PrefillFirst:
     finish_reason: str
 
 
-async def prefill_events(leg: LegContext, job: Job, trace: Trace) -> AsyncIterator[PrefillFirst | pdserve_pb2.KvHandle | None]:
+async def prefill_events(
+    leg: LegContext, job: Job, trace: Trace
+) -> AsyncIterator[PrefillFirst | pdserve_pb2.KvHandle | None]:
     """Yield the first token (once), then the KvHandle, or None if it could not be committed."""
     ctx = RouteContext(job.block_hashes, job.user)
-    request = pdserve_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=sampling_proto(job, 0))
+    request = pdserve_pb2.PrefillRequest(
+        request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=sampling_proto(job, 0)
+    )
     tried: set[str] = set()
     first_sent = False
     last_error = "no attempt"
@@ -146,7 +158,7 @@ async def prefill_events(leg: LegContext, job: Job, trace: Trace) -> AsyncIterat
         inst.inflight += 1
         try:
             async for event in call:
-                _record_prefill_timings(trace, event)
+                _record_prefill_timings(leg, job, trace, event)
                 if event.HasField("first_token") and not first_sent:
                     first_sent = True
                     ft = event.first_token
@@ -167,7 +179,13 @@ async def prefill_events(leg: LegContext, job: Job, trace: Trace) -> AsyncIterat
                 last_error = f"{exc.code().name}: {exc.details()}"
             else:
                 last_error = str(exc)
-            logger.warning("prefill %s on %s failed (%s); attempt %d", job.request_id, inst.url, last_error, attempt + 1)
+            logger.warning(
+                "prefill %s on %s failed (%s); attempt %d",
+                job.request_id,
+                inst.url,
+                last_error,
+                attempt + 1,
+            )
             leg.prefill_pool.mark_failed(inst, last_error)
             done = True
         finally:
@@ -177,21 +195,36 @@ async def prefill_events(leg: LegContext, job: Job, trace: Trace) -> AsyncIterat
                 leg.abort_later(inst, job.request_id)
     if not first_sent:
         if not tried:
-            raise APIError(503, "no healthy prefill instance is available; retry later", code="prefill_unavailable")
-        raise APIError(503, f"prefill failed on {len(tried)} instance(s); last error: {last_error}", code="prefill_failed")
+            raise APIError(
+                503,
+                "no healthy prefill instance is available; retry later",
+                code="prefill_unavailable",
+            )
+        raise APIError(
+            503,
+            f"prefill failed on {len(tried)} instance(s); last error: {last_error}",
+            code="prefill_failed",
+        )
     leg.metrics.kv_load_fallbacks.labels("prefill_lost").inc()
     yield None
 
 
-def _record_prefill_timings(trace: Trace, event: Any) -> None:
+def _record_prefill_timings(leg: LegContext, job: Job, trace: Trace, event: Any) -> None:
     if not event.HasField("timings"):
         return
     t = event.timings
     if event.HasField("first_token"):
         trace.phase("prefill_queue", t.queue_s)
         trace.phase("prefill_compute", t.compute_s)
+        computed = len(job.prompt_ids) - event.first_token.num_cached_tokens
+        leg.estimator.observe_prefill(computed, t.compute_s)
     if event.HasField("kv_committed"):
         trace.phase("kv_save", t.kv_save_s)
+        handle = event.kv_committed
+        # Upper bound: the prefill skips blocks the store already held.
+        nbytes = handle.num_tokens * leg.shape.kv_bytes_per_token(handle.dtype)
+        leg.metrics.kv_bytes.labels(handle.connector or "unknown", "save").inc(nbytes)
+        leg.estimator.observe_transfer(nbytes, t.kv_save_s)
 
 
 async def decode_deltas(
@@ -209,9 +242,15 @@ async def decode_deltas(
     failovers = 0
     first_chunk = True
     while True:
-        inst = leg.decode_pool.select(ctx, exclude=tried) or (leg.decode_pool.select(ctx) if tried else None)
+        inst = leg.decode_pool.select(ctx, exclude=tried) or (
+            leg.decode_pool.select(ctx) if tried else None
+        )
         if inst is None:
-            raise APIError(503, "no healthy decode instance is available; retry later", code="decode_unavailable")
+            raise APIError(
+                503,
+                "no healthy decode instance is available; retry later",
+                code="decode_unavailable",
+            )
         trace.decode_instances.append(inst.url)
         rid = f"{job.request_id}-{index}" + (f"-r{failovers}" if failovers else "")
         request = pdserve_pb2.DecodeRequest(
@@ -221,7 +260,6 @@ async def decode_deltas(
             params=sampling_proto(job, index),
             kv_handle=handle,
         )
-        started = time.perf_counter()
         call = inst.stub.Decode(request, timeout=_deadline(job))
         done = False
         inst.inflight += 1
@@ -229,27 +267,39 @@ async def decode_deltas(
             async for chunk in call:
                 if first_chunk:
                     first_chunk = False
-                    _record_decode_start(leg, trace, chunk, handle, started)
+                    _record_decode_start(leg, trace, chunk, handle)
                 if chunk.num_cached_tokens and not trace.cached_tokens:
                     trace.cached_tokens = chunk.num_cached_tokens
                 tokens.extend(chunk.token_ids)
                 finish = chunk.finish_reason or ("stop" if chunk.finished else None)
                 lps = logprobs_of(chunk.logprobs) if job.params.logprobs is not None else None
                 if chunk.token_ids or chunk.text or chunk.finished:
-                    yield Delta(index, list(chunk.token_ids), chunk.text, lps, finish if chunk.finished else None)
+                    yield Delta(
+                        index,
+                        list(chunk.token_ids),
+                        chunk.text,
+                        lps,
+                        finish if chunk.finished else None,
+                    )
                 if chunk.finished:
                     done = True
                     return
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True
-            reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            reason = (
+                f"{exc.code().name}: {exc.details()}"
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else str(exc)
+            )
             if isinstance(exc, grpc.aio.AioRpcError):
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and handle is not None:
                     # The instance refused the handle (incompatible layout/fingerprint):
                     # compute the prompt locally instead of failing the request.
                     leg.metrics.kv_load_fallbacks.labels("handle_refused").inc()
-                    logger.warning("decode %s refused the KV handle (%s); recomputing", inst.url, reason)
+                    logger.warning(
+                        "decode %s refused the KV handle (%s); recomputing", inst.url, reason
+                    )
                     handle = None
                     continue
                 fatal = _fatal(exc, f"decode instance {inst.url}")
@@ -259,11 +309,21 @@ async def decode_deltas(
                     raise APIError(504, "request timed out during decode", code="timeout") from exc
             failovers += 1
             if failovers > leg.decode_failovers:
-                raise APIError(503, f"decode failed on {failovers} instance(s); last error: {reason}", code="decode_failed") from exc
+                raise APIError(
+                    503,
+                    f"decode failed on {failovers} instance(s); last error: {reason}",
+                    code="decode_failed",
+                ) from exc
             leg.decode_pool.mark_failed(inst, reason)
             tried.add(inst.url)
             leg.metrics.decode_failovers.inc()
-            logger.warning("decode %s lost on %s (%s); resuming with %d tokens", rid, inst.url, reason, len(tokens))
+            logger.warning(
+                "decode %s lost on %s (%s); resuming with %d tokens",
+                rid,
+                inst.url,
+                reason,
+                len(tokens),
+            )
         finally:
             inst.inflight -= 1
             if not done:
@@ -271,11 +331,18 @@ async def decode_deltas(
                 leg.abort_later(inst, rid)
 
 
-def _record_decode_start(leg: LegContext, trace: Trace, chunk: Any, handle: Any, started: float) -> None:
+def _record_decode_start(leg: LegContext, trace: Trace, chunk: Any, handle: Any) -> None:
     if not chunk.HasField("timings"):
         return
     t = chunk.timings
     trace.phase("decode_queue", t.queue_s)
     trace.phase("kv_load", t.kv_load_s)
-    if handle is not None and t.kv_blocks_recomputed:
+    if handle is None:
+        return
+    if t.kv_blocks_recomputed:
         leg.metrics.kv_load_fallbacks.labels("recompute").inc()
+    tokens = min(handle.num_tokens, t.kv_blocks_loaded * max(handle.block_size, 1))
+    nbytes = tokens * leg.shape.kv_bytes_per_token(handle.dtype)
+    if nbytes:
+        leg.metrics.kv_bytes.labels(handle.connector or "unknown", "load").inc(nbytes)
+        leg.estimator.observe_transfer(nbytes, t.kv_load_s)

@@ -50,13 +50,17 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return _TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -92,7 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+        return JSONResponse(
+            error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -105,5 +111,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in router: %s", exc)
         return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", "internal_server_error"), status_code=500
+            error_body(f"internal error: {type(exc).__name__}", "internal_server_error"),
+            status_code=500,
         )

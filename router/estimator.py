@@ -94,7 +94,9 @@ class AutoEstimator:
         rate = max(self.prefill_rate.value, 1.0)
         per_request = max(self.request_prefill_s.value, prompt_tokens / rate)
         local_missing = max(0, prompt_tokens - decode.cached_blocks * block_size)
-        local = decode.waiting * per_request + (local_missing / rate) * (1.0 + self.interference * decode.running)
+        local = decode.waiting * per_request + (local_missing / rate) * (
+            1.0 + self.interference * decode.running
+        )
         if prefill is None:
             return Estimate(float("inf"), local)
         remote_missing = max(0, prompt_tokens - prefill.cached_blocks * block_size)

@@ -5,14 +5,57 @@ Names are a contract (dashboards, the autoscaler): change them only together wit
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_save", "kv_load", "decode_queue")
-OUTCOMES = ("success", "invalid", "unauthorized", "not_found", "rate_limited", "unavailable", "cancelled", "timeout", "error")
+OUTCOMES = (
+    "success",
+    "invalid",
+    "unauthorized",
+    "not_found",
+    "rate_limited",
+    "unavailable",
+    "cancelled",
+    "timeout",
+    "error",
+)
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_TOKEN_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+)
 
 
 class RouterMetrics:
@@ -21,22 +64,84 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token seen by the client", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_itl_seconds", "Inter-token latency between streamed tokens", buckets=_TOKEN_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first, per request", buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
-        self.phase = Histogram("pdserve_phase_seconds", "Time spent per request phase", ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pdserve_ttft_seconds",
+            "Time to first token seen by the client",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_itl_seconds",
+            "Inter-token latency between streamed tokens",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds",
+            "Time per output token after the first, per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "pdserve_phase_seconds",
+            "Time spent per request phase",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.kv_bytes = Counter("pdserve_kv_bytes", "KV bytes moved through the store, as seen by the router", ["connector", "direction"], registry=r)
-        self.kv_load_fallbacks = Counter("pdserve_kv_load_fallbacks", "Requests whose prompt KV was recomputed instead of loaded", ["reason"], registry=r)
-        self.disagg_decisions = Counter("pdserve_disagg_decisions", "Prefill placement per request", ["decision"], registry=r)
-        self.prefill_retries = Counter("pdserve_prefill_retries", "Prefill calls retried on another instance", registry=r)
-        self.decode_failovers = Counter("pdserve_decode_failovers", "Decode streams resumed on another instance", registry=r)
+        self.kv_bytes = Counter(
+            "pdserve_kv_bytes",
+            "KV bytes moved through the store, as seen by the router",
+            ["connector", "direction"],
+            registry=r,
+        )
+        self.kv_load_fallbacks = Counter(
+            "pdserve_kv_load_fallbacks",
+            "Requests whose prompt KV was recomputed instead of loaded",
+            ["reason"],
+            registry=r,
+        )
+        self.disagg_decisions = Counter(
+            "pdserve_disagg_decisions", "Prefill placement per request", ["decision"], registry=r
+        )
+        self.prefill_retries = Counter(
+            "pdserve_prefill_retries", "Prefill calls retried on another instance", registry=r
+        )
+        self.decode_failovers = Counter(
+            "pdserve_decode_failovers", "Decode streams resumed on another instance", registry=r
+        )
         labels = ["pool", "instance"]
-        self.inst_waiting = Gauge("pdserve_instance_waiting", "Waiting requests per instance (GetLoad)", labels, registry=r)
-        self.inst_running = Gauge("pdserve_instance_running", "Running requests per instance (GetLoad)", labels, registry=r)
-        self.inst_kv_usage = Gauge("pdserve_instance_kv_usage", "KV cache usage fraction per instance (GetLoad)", labels, registry=r)
-        self.inst_healthy = Gauge("pdserve_instance_healthy", "1 when the instance passes health checks", labels, registry=r)
+        self.inst_waiting = Gauge(
+            "pdserve_instance_waiting",
+            "Waiting requests per instance (GetLoad)",
+            labels,
+            registry=r,
+        )
+        self.inst_running = Gauge(
+            "pdserve_instance_running",
+            "Running requests per instance (GetLoad)",
+            labels,
+            registry=r,
+        )
+        self.inst_kv_usage = Gauge(
+            "pdserve_instance_kv_usage",
+            "KV cache usage fraction per instance (GetLoad)",
+            labels,
+            registry=r,
+        )
+        self.inst_healthy = Gauge(
+            "pdserve_instance_healthy",
+            "1 when the instance passes health checks",
+            labels,
+            registry=r,
+        )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         for decision in ("remote_prefill", "local_prefill"):
@@ -47,7 +152,16 @@ class RouterMetrics:
             raise ValueError(f"unknown phase {phase!r}")
         self.phase.labels(phase).observe(max(0.0, seconds))
 
-    def set_instance(self, pool: str, instance: str, *, healthy: bool, waiting: int = 0, running: int = 0, kv_usage: float = 0.0) -> None:
+    def set_instance(
+        self,
+        pool: str,
+        instance: str,
+        *,
+        healthy: bool,
+        waiting: int = 0,
+        running: int = 0,
+        kv_usage: float = 0.0,
+    ) -> None:
         self.inst_healthy.labels(pool, instance).set(1.0 if healthy else 0.0)
         self.inst_waiting.labels(pool, instance).set(waiting)
         self.inst_running.labels(pool, instance).set(running)
@@ -55,10 +169,8 @@ class RouterMetrics:
 
     def remove_instance(self, pool: str, instance: str) -> None:
         for gauge in (self.inst_healthy, self.inst_waiting, self.inst_running, self.inst_kv_usage):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(pool, instance)
-            except KeyError:
-                pass
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

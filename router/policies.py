@@ -79,7 +79,9 @@ class PrefixAwarePolicy:
 
     name = "prefix_aware"
 
-    def __init__(self, index: PrefixIndex, *, skew_ratio: float = 2.0, skew_slack: float = 8.0) -> None:
+    def __init__(
+        self, index: PrefixIndex, *, skew_ratio: float = 2.0, skew_slack: float = 8.0
+    ) -> None:
         self.index = index
         self.skew_ratio = skew_ratio
         self.skew_slack = skew_slack

@@ -116,7 +116,9 @@ class InstancePool:
     async def start(self) -> None:
         """Connect to the current instances, check them once, then keep checking."""
         self._stop.clear()
-        self._tasks.append(asyncio.create_task(self.discovery.run(self._stop), name=f"{self.name}-discovery"))
+        self._tasks.append(
+            asyncio.create_task(self.discovery.run(self._stop), name=f"{self.name}-discovery")
+        )
         await asyncio.sleep(0)  # let discovery publish its first set
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._health_loop(), name=f"{self.name}-health"))
@@ -154,8 +156,14 @@ class InstancePool:
 
     def _add(self, url: str) -> None:
         channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
-        stub_cls = pdserve_pb2_grpc.PrefillServiceStub if self.name == "prefill" else pdserve_pb2_grpc.DecodeServiceStub
-        self._instances[url] = Instance(url, self.name, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel))
+        stub_cls = (
+            pdserve_pb2_grpc.PrefillServiceStub
+            if self.name == "prefill"
+            else pdserve_pb2_grpc.DecodeServiceStub
+        )
+        self._instances[url] = Instance(
+            url, self.name, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel)
+        )
         logger.info("%s pool: added %s", self.name, url)
 
     async def _remove(self, url: str) -> None:
@@ -172,9 +180,13 @@ class InstancePool:
 
     async def _check(self, inst: Instance) -> None:
         try:
-            reply = await inst.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout)
+            reply = await inst.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout
+            )
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                raise _Unhealthy(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+                raise _Unhealthy(
+                    f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+                )
             info = await inst.stub.GetLoad(pdserve_pb2.GetLoadRequest(), timeout=self.check_timeout)
             if info.draining:
                 raise _Unhealthy("draining")
@@ -204,7 +216,14 @@ class InstancePool:
         inst.last_error = reason
         if self.metrics is not None:
             load = inst.load
-            self.metrics.set_instance(self.name, inst.url, healthy=healthy, waiting=load.waiting, running=load.running, kv_usage=load.kv_usage)
+            self.metrics.set_instance(
+                self.name,
+                inst.url,
+                healthy=healthy,
+                waiting=load.waiting,
+                running=load.running,
+                kv_usage=load.kv_usage,
+            )
 
     # -- request path ------------------------------------------------------------------
     def instances(self) -> list[Instance]:
@@ -235,7 +254,12 @@ class InstancePool:
             "healthy": sum(1 for i in self._instances.values() if i.healthy),
             "total": len(self._instances),
             "instances": {
-                i.url: {"healthy": i.healthy, "waiting": i.load.waiting, "running": i.load.running, "error": i.last_error or None}
+                i.url: {
+                    "healthy": i.healthy,
+                    "waiting": i.load.waiting,
+                    "running": i.load.running,
+                    "error": i.last_error or None,
+                }
                 for i in self._instances.values()
             },
         }

@@ -70,7 +70,12 @@ class _CommonRequest(BaseModel):
 class CompletionRequest(_CommonRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: (
+        str
+        | list[str]
+        | list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None
@@ -197,8 +202,14 @@ def completion_params(req: CompletionRequest) -> GenParams:
 
 
 def chat_params(req: ChatCompletionRequest) -> GenParams:
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-        raise bad_request("max_tokens and max_completion_tokens disagree; give one", "max_completion_tokens")
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise bad_request(
+            "max_tokens and max_completion_tokens disagree; give one", "max_completion_tokens"
+        )
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return gen_params(req, max_tokens=max_tokens, logprobs=logprobs)

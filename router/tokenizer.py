@@ -25,7 +25,15 @@ from engine.block_hash import compute_block_hashes
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2, "float8": 1}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp32": 4,
+    "fp16": 2,
+    "bf16": 2,
+    "float8": 1,
+}
 
 
 class ChatTemplateError(ValueError):
@@ -95,19 +103,25 @@ class PromptProcessor:
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
         self._template = None
         if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(chat_template)
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, *, block_size: int = 16, max_model_len: int | None = None) -> PromptProcessor:
+    def from_model_dir(
+        cls, path: str | Path, *, block_size: int = 16, max_model_len: int | None = None
+    ) -> PromptProcessor:
         """Load ``tokenizer.json``, ``tokenizer_config.json``, the chat template and ``config.json``."""
         root = Path(path)
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
-            raise ValueError(f"{root} has no tokenizer.json: the router needs a fast (tokenizers) tokenizer")
+            raise ValueError(
+                f"{root} has no tokenizer.json: the router needs a fast (tokenizers) tokenizer"
+            )
         tokenizer = Tokenizer.from_file(str(tok_file))
         tok_config = _read_json(root / "tokenizer_config.json")
         template = tok_config.get("chat_template")
@@ -118,7 +132,13 @@ class PromptProcessor:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         specials = {k: _token_text(v) for k, v in tok_config.items() if k.endswith("_token") and v}
         shape = ModelShape.from_config(_read_json(root / "config.json"), max_model_len)
-        return cls(tokenizer, chat_template=template, special_tokens=specials, shape=shape, block_size=block_size)
+        return cls(
+            tokenizer,
+            chat_template=template,
+            special_tokens=specials,
+            shape=shape,
+            block_size=block_size,
+        )
 
     @property
     def has_chat_template(self) -> bool:
@@ -127,12 +147,22 @@ class PromptProcessor:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
         """The conversation as prompt text through the model's chat template."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         if continue_final_message and messages:
@@ -143,8 +173,18 @@ class PromptProcessor:
                 text = text[: cut + len(final)]
         return text
 
-    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         # The template already wrote any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 

@@ -97,9 +97,9 @@ def make_case(
     )
 
 
-def reference_attention(case: PagedCase) -> torch.Tensor:
-    """Float64 causal attention of each request over its ground-truth K/V (CPU)."""
-    q_all = case.query.detach().cpu().double()
+def reference_attention(case: PagedCase, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float64 causal attention of each request over its ground-truth K/V, on ``device``."""
+    q_all = case.query.detach().to(device).double()
     out = torch.zeros_like(q_all)
     qsl = case.meta.query_start_loc_cpu
     heads = q_all.shape[1]
@@ -107,34 +107,36 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
         q = q_all[qsl[r] : qsl[r + 1]]
         q_len, seq_len = q.shape[0], k.shape[0]
         group = heads // k.shape[1]
-        kk = k.double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
-        vv = v.double().repeat_interleave(group, dim=1)
+        kk = k.to(device).double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
+        vv = v.to(device).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, kk) * case.scale
-        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len, device=device)[None, :] > pos, float("-inf"))
         out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     return out
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (NaN anywhere gives NaN)."""
-    diff = out.detach().cpu().double() - ref
+    diff = out.detach().to(ref.device).double() - ref
     return float(diff.norm() / ref.norm())
 
 
 def cache_error(case: PagedCase) -> float:
     """Largest |cache − truth| over every token of every request (after the backend wrote)."""
-    cache = case.kv_cache.detach().cpu()
+    cache = case.kv_cache.detach()
     bs, kvh, hd = cache.shape[2], cache.shape[3], cache.shape[4]
-    table = case.meta.block_tables.cpu()
+    table = case.meta.block_tables
     worst = 0.0
     for r, (k, v) in enumerate(zip(case.full_k, case.full_v)):
-        pos = torch.arange(k.shape[0])
+        pos = torch.arange(k.shape[0], device=cache.device)
         slots = table[r, pos // bs].long() * bs + pos % bs
         got_k = cache[0].reshape(-1, kvh, hd)[slots].double()
         got_v = cache[1].reshape(-1, kvh, hd)[slots].double()
-        err = max(float((got_k - k.double()).abs().max()), float((got_v - v.double()).abs().max()))
-        if err != err:
-            return err
-        worst = max(worst, err)
+        err_k = float((got_k - k.to(cache.device).double()).abs().max())
+        err_v = float((got_v - v.to(cache.device).double()).abs().max())
+        for err in (err_k, err_v):
+            if err != err:
+                return err
+            worst = max(worst, err)
     return worst

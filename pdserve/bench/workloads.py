@@ -49,14 +49,18 @@ class TextCodec(Protocol):
 
 
 class HFCodec:
-    """A Hugging Face tokenizer; special tokens never appear in generated prompts."""
+    """A Hugging Face tokenizer. Prompts are sampled only from ids that decode on their own
+    to clean text: no special tokens, no partial UTF-8 bytes (which would come back as
+    U+FFFD and re-encode to several tokens)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self._pool = [i for i in range(len(tokenizer)) if i not in special]
+        ids = [i for i in range(len(tokenizer)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in ids])
+        self._pool = [i for i, t in zip(ids, texts, strict=True) if t.strip() and "\ufffd" not in t]
         if not self._pool:
-            raise ValueError("tokenizer has no non-special tokens to build prompts from")
+            raise ValueError("tokenizer has no plain-text tokens to build prompts from")
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

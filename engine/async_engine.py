@@ -1,0 +1,188 @@
+"""The asynchronous engine that services drive.
+
+The synchronous ``LLMEngine`` runs on one background thread (torch releases the GIL in its
+kernels, so the asyncio loop stays responsive). Requests and aborts reach it through a
+command queue; outputs come back to each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import LoadStats, RequestOutput
+from engine.request import RemoteKV
+from engine.sampling_params import SamplingParams
+from kv_store.base import KVConnector, KvLayout
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+_TRANSFER_POLL_S = 0.001
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (not started, shut down, or crashed)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
+        self.engine = LLMEngine(config, connector)
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._load = self.engine.get_load()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.engine.model_fingerprint
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self.engine.kv_layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        if self.engine.connector is not None:
+            self.engine.connector.close()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        output_token_ids: list[int] | None = None,
+        remote_kv: RemoteKV | None = None,
+        save_kv: bool = False,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream output deltas until the request finishes. Raises ValueError for bad
+        input. Leaving the loop early (cancel, disconnect) aborts the request."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        kwargs = dict(prompt_token_ids=prompt_token_ids, params=params, output_token_ids=output_token_ids,
+                      remote_kv=remote_kv, save_kv=save_kv, priority=priority)
+        self._send(_Add(request_id, kwargs))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        found = request_id in self._streams
+        self._send(_Abort(request_id))
+        return found
+
+    def get_load(self) -> LoadStats:
+        """Load as of the last engine step (safe to call from any thread)."""
+        return self._load
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_commands()
+            if not engine.has_unfinished():
+                self._load = engine.get_load()
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            steps_before = engine.num_steps
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
+                logger.exception("engine step failed; failing in-flight requests")
+                self._fail_all(exc)
+                continue
+            self._load = engine.get_load()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if engine.num_steps == steps_before and not outputs:
+                self._wake.wait(_TRANSFER_POLL_S)  # only transfers in flight: poll gently
+                self._wake.clear()
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, **cmd.kwargs)
+                except (ValueError, TypeError) as exc:
+                    self._deliver(cmd.request_id, exc)
+            else:
+                self.engine.abort_request(cmd.request_id)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, exc)

@@ -1,0 +1,57 @@
+"""LMCache's GPU-connector interface implemented for pdserve's paged cache (CPU or GPU).
+
+Imported only by ``lmcache_connector`` after LMCache itself is imported (lazily). LMCache
+hands us memory objects in its ``KV_2LTD`` format, ``[2, layers, tokens, kv_heads *
+head_dim]``; our cache is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``. Both
+directions are one ``index_select`` / ``index_copy_`` over the flattened slot axis, where
+slot = block_id * block_size + offset (``slot_mapping``, one entry per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lmcache.v1.gpu_connector import GPUConnectorInterface
+
+
+class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """Gathers/scatters token ranges between LMCache memory objects and our paged cache.
+
+    Every call receives ``kvcaches`` (the bound cache) and ``slot_mapping`` (int64, one
+    slot per token of the request) as keyword arguments from ``store``/``retrieve``.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_layers = num_layers
+        self.hidden = num_kv_heads * head_dim
+        self.kvcaches: torch.Tensor | None = None
+
+    def _slots_view(self, kv: torch.Tensor) -> torch.Tensor:
+        # [layers, 2, blocks, block, heads, dim] -> [2, layers, slots, heads*dim] (a view)
+        return kv.view(kv.shape[0], 2, -1, self.hidden).transpose(0, 1)
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
+        dst = memory_obj.tensor[:, :, : end - start]
+        torch.index_select(self._slots_view(kv), 2, slots, out=dst) if dst.is_contiguous() else dst.copy_(
+            self._slots_view(kv).index_select(2, slots)
+        )
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
+        self._slots_view(kv).index_copy_(2, slots, memory_obj.tensor[:, :, : end - start])
+
+    def batched_from_gpu(self, memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any) -> None:
+        for obj, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, s, e, **kwargs)
+
+    def batched_to_gpu(
+        self, memory_objs: Any = None, starts: list[int] | None = None, ends: list[int] | None = None, **kwargs: Any
+    ) -> None:
+        assert memory_objs is not None and starts is not None and ends is not None
+        for obj, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, s, e, **kwargs)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.hidden])
