@@ -29,6 +29,7 @@ from prefill_service.convert import (
     sampling_params_from_proto,
     token_ids,
 )
+from prefill_service.errors import ServiceUnavailable
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -76,6 +77,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             priority=request.priority,
         )
         async for out in stream:
+            if out.error:
+                # --kv-load-failure fail: the prompt's KV could not be loaded.
+                raise ServiceUnavailable(f"request {request_id}: {out.error}")
             chunk = pb.DecodeChunk(
                 token_ids=out.new_token_ids,
                 text=out.new_text,
@@ -91,18 +95,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     out, compute_s=elapsed - out.queue_seconds - out.kv_load_seconds
                 )
                 chunk.timings.CopyFrom(timings)
-            if first:
-                self._record_kv_load(out, remote_kv is not None)
-                first = False
+            first = False
             if out.finished:
                 core.metrics.observe_timings(chunk.timings)
             yield chunk
-
-    def _record_kv_load(self, out: Any, had_handle: bool) -> None:
-        """Count a remote-KV request whose blocks did not all arrive (recomputed instead)."""
-        if had_handle and out.kv_blocks_recomputed:
-            reason = getattr(out, "kv_load_failure_reason", None) or "missing_or_corrupt"
-            self._core.metrics.record_fallback(reason)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -6,6 +6,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative
+
 KV_LAYOUT_VERSION = 1
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -38,6 +40,8 @@ class EngineConfig:
     seed: int = 0
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
     hf_overrides: dict[str, object] = field(default_factory=dict)
+    # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +78,12 @@ class EngineConfig:
             raise ValueError(f"kv_load_failure must be 'recompute' or 'fail', got {self.kv_load_failure!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.speculative is not None:
+            self.speculative_config()  # raises ValueError with the accepted forms
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative`` setting (None when off)."""
+        return None if self.speculative is None else parse_speculative(self.speculative)
 
     @property
     def torch_dtype_name(self) -> str:

@@ -16,15 +16,17 @@ import torch
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fingerprint import model_fingerprint
+from engine.guided.manager import GuidedDecoding
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfers import KVTransferCoordinator, LoadOutcome
 from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
-from engine.outputs import KvSaveResult, LoadStats, RequestOutput
+from engine.outputs import KvSaveResult, LoadStats, RequestOutput, TokenLogprob
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
+from engine.spec_decode.decoder import SpecDecoder, SpecDecodeStats
 from kv_store.base import KVConnector, KvLayout
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler()
+        self.guided = GuidedDecoding(self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids))
+        spec = config.speculative_config()
+        self.spec = None if spec is None else SpecDecoder(
+            config, spec, self.args, self.max_model_len, self.runner.num_blocks, self.tokenizer
+        )
         self.model_fingerprint = model_fingerprint(config)
         self.kv_layout = KvLayout(
             KV_LAYOUT_VERSION, config.torch_dtype_name, config.block_size,
@@ -98,14 +105,22 @@ class LLMEngine:
             num_initial_output_tokens=len(output_token_ids or []),
             effective_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
         )
+        if params.guided is not None:
+            self.guided.submit(request)  # ValueError for a bad guide; compiles in the background
         self._detok[request_id] = IncrementalDetokenizer.start(
             self.tokenizer, params.stop, params.skip_special_tokens, request.output_token_ids
         )
-        if remote_kv is None:
+        if params.guided is not None:
+            self.scheduler.requests[request_id] = request  # routed once its grammar is ready
+        else:
+            self._route(request)
+
+    def _route(self, request: Request) -> None:
+        if request.remote_kv is None:
             self.scheduler.add_request(request)
         else:
             assert self.transfers is not None
-            self.scheduler.requests[request_id] = request
+            self.scheduler.requests[request.request_id] = request
             self.transfers.add_remote(request)
 
     def _validate(self, request_id: str, prompt: list[int], generated: list[int], params: SamplingParams,
@@ -141,22 +156,44 @@ class LLMEngine:
         else:
             request.status = RequestStatus.FINISHED_ABORTED
         self._detok.pop(request_id, None)
+        self._release_extras(request_id)
         self._pending.append(self._output(request, [], "", finished=True))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self.transfers and self.transfers.has_work()) or bool(self._pending)
+        return (self.scheduler.has_work() or bool(self.transfers and self.transfers.has_work())
+                or bool(self._pending) or self.guided.has_pending())
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.guided.has_pending():
+            outputs += self._admit_guided()
         if self.transfers is not None:
             outputs += self._handle_transfers()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.scheduled:
             logits = self.runner.execute(sched.scheduled)
             outputs += self._postprocess(sched.scheduled, logits)
             self.num_steps += 1
+        elif self.guided.has_pending() and not self.scheduler.has_work():
+            self.guided.wait(0.005)  # only grammars compiling: wait briefly instead of spinning
+        return outputs
+
+    def _admit_guided(self) -> list[RequestOutput]:
+        """Route requests whose grammar is ready; fail those it cannot serve."""
+        ready, failed = self.guided.poll()
+        for request in ready:
+            self._route(request)
+        outputs = []
+        for failure in failed:
+            self.scheduler.finish(failure.request, RequestStatus.FINISHED_ABORTED)
+            self._detok.pop(failure.request.request_id, None)
+            out = self._output(failure.request, [], "", finished=True)
+            out.error = failure.error
+            outputs.append(out)
         return outputs
 
     def _handle_transfers(self) -> list[RequestOutput]:
@@ -179,6 +216,7 @@ class LLMEngine:
         if not outcome.ok:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self._detok.pop(request.request_id, None)
+            self._release_extras(request.request_id)
             out = self._output(request, [], "", finished=True)
             out.error = outcome.error
             return [out]
@@ -193,29 +231,67 @@ class LLMEngine:
         return out
 
     def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
-        rows, to_sample = [], []
-        for i, s in enumerate(scheduled):
-            s.request.num_computed_tokens += s.num_new_tokens
+        """``logits`` has one row per request, or ``1 + drafts`` rows for one with drafts."""
+        rows, to_sample, to_verify, row = [], [], [], 0
+        for s in scheduled:
+            n_spec = len(s.spec_token_ids)
+            s.request.num_computed_tokens += s.num_new_tokens - n_spec  # drafts count once accepted
             if s.request.num_computed_tokens == s.request.num_tokens:
-                rows.append(i)
-                to_sample.append(s.request)
-        if not to_sample:
-            return []
-        sampled = self.sampler(logits[rows], to_sample)
+                if n_spec:
+                    to_verify.append((s, logits[row : row + 1 + n_spec]))
+                else:
+                    rows.append(row)
+                    to_sample.append(s.request)
+            row += 1 + n_spec
         outputs = []
-        for request, tok in zip(to_sample, sampled):
-            request.append_output_token(tok.token_id)
-            finished_status = self._check_stop(request, tok.token_id)
-            detok = self._detok[request.request_id]
-            text = detok.add([tok.token_id], finished_status is not None)
-            if finished_status is None and detok.stopped:
-                finished_status = RequestStatus.FINISHED_STOPPED
-            if finished_status is not None:
-                self._finish(request, finished_status)
-            out = self._output(request, [tok.token_id], text, finished=finished_status is not None and not request.save_kv)
-            out.logprobs = [tok.logprob] if tok.logprob is not None else None
-            outputs.append(out)
+        if to_sample:
+            for request, tok in zip(to_sample, self.sampler(logits[rows], to_sample), strict=True):
+                text, status = self._accept_token(request, tok.token_id)
+                logprobs = [tok.logprob] if tok.logprob is not None else None
+                outputs.append(self._token_output(request, [tok.token_id], text, logprobs, status))
+        for s, verify_rows in to_verify:
+            outputs.append(self._verify(s, verify_rows))
         return outputs
+
+    def _accept_token(self, request: Request, token: int) -> tuple[str, RequestStatus | None]:
+        """Append one sampled token; returns its text and the finish status it causes."""
+        request.append_output_token(token)
+        finished_status = self._check_stop(request, token)
+        if self.guided.accept(request.request_id, [token]) and finished_status is None:
+            finished_status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        detok = self._detok[request.request_id]
+        text = detok.add([token], finished_status is not None)
+        if finished_status is None and detok.stopped:
+            finished_status = RequestStatus.FINISHED_STOPPED
+        return text, finished_status
+
+    def _verify(self, s: ScheduledRequest, rows: torch.Tensor) -> RequestOutput:
+        """Speculative step of one request: accept a prefix of its drafts plus one token."""
+        assert self.spec is not None
+        request, tokens, texts = s.request, [], []
+        logprobs: list[TokenLogprob] = []
+        status: list[RequestStatus | None] = [None]
+
+        def emit(token: int, logprob: TokenLogprob | None) -> bool:
+            text, status[0] = self._accept_token(request, token)
+            tokens.append(token)
+            texts.append(text)
+            if logprob is not None:
+                logprobs.append(logprob)
+            return status[0] is not None
+
+        emitted = self.spec.verify(self.sampler, request, rows, s.spec_token_ids, emit)
+        # KV is valid for the pending token and the accepted drafts, not for rejected ones.
+        request.num_computed_tokens += emitted - 1
+        return self._token_output(request, tokens, "".join(texts), logprobs or None, status[0])
+
+    def _token_output(self, request: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,
+                      finished_status: RequestStatus | None) -> RequestOutput:
+        if finished_status is not None:
+            self._finish(request, finished_status)
+        out = self._output(request, tokens, text, finished=finished_status is not None and not request.save_kv)
+        out.logprobs = logprobs
+        return out
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
@@ -230,11 +306,18 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._detok.pop(request.request_id, None)
+        self._release_extras(request.request_id)
         if request.save_kv and self.transfers is not None:
             self.scheduler.finish(request, status, keep_blocks=True)
             self.transfers.start_save(request)
         else:
             self.scheduler.finish(request, status)
+
+    def _release_extras(self, request_id: str) -> None:
+        """Drop a finished request's grammar matcher and draft-model state."""
+        self.guided.release(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     def _output(self, request: Request, tokens: list[int], text: str, *, finished: bool) -> RequestOutput:
         queued = (request.first_scheduled_time or time.monotonic()) - request.arrival_time
@@ -248,10 +331,16 @@ class LLMEngine:
 
     def get_load(self) -> LoadStats:
         return LoadStats(
-            waiting=len(self.scheduler.waiting) + (self.transfers.num_waiting_for_kv() if self.transfers else 0),
+            waiting=len(self.scheduler.waiting) + self.guided.num_pending()
+            + (self.transfers.num_waiting_for_kv() if self.transfers else 0),
             running=len(self.scheduler.running),
             free_blocks=self.kv.pool.num_free_blocks,
             total_blocks=self.kv.pool.num_usable_blocks,
             prefix_hit_rate=self.kv.pool.hit_rate(),
             waiting_for_remote_kv=self.transfers.num_waiting_for_kv() if self.transfers else 0,
         )
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative-decoding counters (drafted, accepted, rounds), None when off."""
+        return self.spec.stats if self.spec is not None else None

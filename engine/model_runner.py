@@ -118,7 +118,7 @@ class ModelRunner:
             req = s.request
             start = req.num_computed_tokens
             end = start + s.num_new_tokens
-            tokens = req.all_token_ids
+            tokens = req.all_token_ids + s.spec_token_ids
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             table = s.block_ids
@@ -145,12 +145,23 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=torch.tensor([e - 1 for e in starts[1:]], dtype=torch.long).to(dev),
+            logits_indices=torch.tensor(logits_rows(scheduled, starts), dtype=torch.long).to(dev),
         )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[len(scheduled), vocab]``."""
+        """Run one step; returns float32 logits ``[len(scheduled), vocab]`` — or, when some
+        requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
+        positions, in order), request after request."""
         inputs = self.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def logits_rows(scheduled: list[ScheduledRequest], starts: list[int]) -> list[int]:
+    """Rows whose logits a step needs: each request's last position, plus the positions of
+    its drafts (and the one before them) when it carries drafts to verify."""
+    rows: list[int] = []
+    for s, end in zip(scheduled, starts[1:], strict=True):
+        rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+    return rows

@@ -77,6 +77,9 @@ class Request:
     effective_seed: int = 0
     # Called as f(output_token_ids, logits) -> logits before sampling (grammar masks).
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+    # Draft tokens proposed for this step (speculative decoding); never part of the output
+    # until the target model verifies them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

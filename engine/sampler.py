@@ -73,22 +73,34 @@ class Sampler:
         return [self._sample_row(logits[i], r) for i, r in enumerate(requests)]
 
     def _sample_row(self, raw: torch.Tensor, request: Request) -> SampledToken:
+        token = self.draw(self.processed_logits(raw, request), request, request.num_tokens)
+        return SampledToken(token, self._logprob(raw, token, request.params.logprobs))
+
+    @staticmethod
+    def processed_logits(raw: torch.Tensor, request: Request) -> torch.Tensor:
+        """The logits the request's next token is drawn from (a new tensor): processors,
+        penalties and, when sampling, temperature and top-k/top-p/min-p (dropped = -inf).
+        Speculative verification uses it to get the target distribution."""
         p = request.params
         logits = raw.clone()
         for processor in request.logits_processors:
             logits = processor(request.output_token_ids, logits)
         if p.has_penalties:
             logits = apply_penalties(logits, request)
-        if p.greedy:
-            token = int(logits.argmax())
-        else:
+        if not p.greedy:
             logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = logits.softmax(-1)
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed(position_seed(request.effective_seed, request.num_tokens))
-            noise = torch.empty_like(probs).exponential_(generator=gen)
-            token = int((probs / noise).argmax())
-        return SampledToken(token, self._logprob(raw, token, p.logprobs))
+        return logits
+
+    @staticmethod
+    def draw(logits: torch.Tensor, request: Request, position: int) -> int:
+        """Argmax (greedy) or the seeded exponential race for token index ``position``."""
+        if request.params.greedy:
+            return int(logits.argmax())
+        probs = logits.softmax(-1)
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(position_seed(request.effective_seed, position))
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int((probs / noise).argmax())
 
     @staticmethod
     def _logprob(raw: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.guided.spec import GuidedSpec
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -23,6 +25,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = off; k >= 0 = chosen token + top-k alternatives
     skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None  # grammar constraint (JSON schema, regex, choice, EBNF)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError(f"guided must be a GuidedSpec, got {type(self.guided).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -20,8 +20,9 @@ from engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # includes the drafts below
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
 
 
 @dataclass(slots=True)
@@ -97,17 +98,23 @@ class Scheduler:
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_tokens - request.num_computed_tokens
+            # Drafts ride along only on a decode step (one pending token), within budget.
+            num_spec = max(0, min(len(request.spec_token_ids), budget - 1)) if pending == 1 else 0
+            num_new = min(pending, budget) + num_spec
             if num_new <= 0:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
+                if num_spec:  # drop the drafts before preempting anyone
+                    num_new, num_spec = num_new - num_spec, 0
+                    continue
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
                 preempted_now = True
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new))
+                out.scheduled.append(self._scheduled(request, num_new, request.spec_token_ids[:num_spec]))
                 budget -= num_new
             if budget <= 0:
                 break
@@ -141,9 +148,10 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
-        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id))
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
+        # Draft positions never reach the prefix cache: only verified tokens may be shared.
+        self.kv.cache_blocks(request, request.num_computed_tokens + num_new - len(spec or ()))
+        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), list(spec or ()))
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from lmcache.v1.gpu_connector import GPUConnectorInterface
 
+from kv_store.record import copy_into
+
 
 class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
     """Gathers/scatters token ranges between LMCache memory objects and our paged cache.
@@ -31,23 +33,45 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
         # [layers, 2, blocks, block, heads, dim] -> [2, layers, slots, heads*dim] (a view)
         return kv.view(kv.shape[0], 2, -1, self.hidden).transpose(0, 1)
 
+    @staticmethod
+    def _run(slots: torch.Tensor) -> slice | None:
+        """The slot range as a slice when it is consecutive — always the case when a chunk
+        is one of our blocks — so copies are plain strided copies, not gathers."""
+        first, last = int(slots[0]), int(slots[-1])
+        if last - first + 1 == len(slots) and bool((slots.diff() == 1).all()):
+            return slice(first, last + 1)
+        return None
+
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
         dst = memory_obj.tensor[:, :, : end - start]
-        torch.index_select(self._slots_view(kv), 2, slots, out=dst) if dst.is_contiguous() else dst.copy_(
-            self._slots_view(kv).index_select(2, slots)
-        )
+        run = self._run(slots)
+        if run is not None:
+            copy_into(dst, self._slots_view(kv)[:, :, run])
+        else:
+            dst.copy_(self._slots_view(kv).index_select(2, slots))
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
-        self._slots_view(kv).index_copy_(2, slots, memory_obj.tensor[:, :, : end - start])
+        src = memory_obj.tensor[:, :, : end - start]
+        run = self._run(slots)
+        if run is not None:
+            copy_into(self._slots_view(kv)[:, :, run], src)
+        else:
+            self._slots_view(kv).index_copy_(2, slots, src)
 
-    def batched_from_gpu(self, memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any) -> None:
+    def batched_from_gpu(
+        self, memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any
+    ) -> None:
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, s, e, **kwargs)
 
     def batched_to_gpu(
-        self, memory_objs: Any = None, starts: list[int] | None = None, ends: list[int] | None = None, **kwargs: Any
+        self,
+        memory_objs: Any = None,
+        starts: list[int] | None = None,
+        ends: list[int] | None = None,
+        **kwargs: Any,
     ) -> None:
         assert memory_objs is not None and starts is not None and ends is not None
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):

@@ -11,11 +11,38 @@ blocks and ``failure_reason`` says why the rest did not load.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from kv_store.base import KVRecordError, KVStoreError, KVTransfer, StorageBackend, TransferResult
+import numpy as np
+import torch
+
+from kv_store.base import (
+    Blob,
+    KvLayout,
+    KVRecordError,
+    KVStoreError,
+    KVTransfer,
+    StorageBackend,
+    TransferResult,
+)
 from kv_store.connector_common import AsyncConnectorBase, Deadline, TransferDeadline
+from kv_store.fs_backend import FsBackend
 from kv_store.keys import block_keys
-from kv_store.record import RecordChecksumError, RecordLayoutError, decode_block, encode_block
+from kv_store.record import (
+    HEADER_SIZE,
+    RecordChecksumError,
+    RecordLayoutError,
+    block_parts,
+    cache_numpy,
+    check_record_parts,
+    copy_into,
+    decode_block,
+    encode_block,
+    record_header,
+    record_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +57,9 @@ def record_failure_reason(err: KVRecordError) -> str:
 
 
 class BlockStoreConnector(AsyncConnectorBase):
-    """Moves blocks between the bound paged cache and ``backend`` on ``num_workers``
-    threads; ``batch_blocks`` records go to the backend per call."""
+    """Moves blocks between the bound paged cache and ``backend``: ``num_workers``
+    transfers at a time, each split into batches of ``batch_blocks`` records that
+    ``io_threads`` threads encode/put or get/verify/copy concurrently."""
 
     def __init__(
         self,
@@ -41,13 +69,29 @@ class BlockStoreConnector(AsyncConnectorBase):
         num_workers: int = 2,
         batch_blocks: int = 8,
         transfer_timeout_s: float = 30.0,
+        io_threads: int = 2,
     ) -> None:
         if batch_blocks < 1:
             raise ValueError(f"batch_blocks must be >= 1, got {batch_blocks}")
         self.name = name
         super().__init__(num_workers=num_workers, transfer_timeout_s=transfer_timeout_s)
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.backend = backend
         self.batch_blocks = batch_blocks
+        # Batches of one transfer run in parallel here: the copies, CRC and file/socket I/O
+        # all release the GIL. Separate from the per-transfer pool so it cannot deadlock.
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-{name}-io")
+        self._tls = threading.local()
+        self._kv_np: np.ndarray | None = None  # per-I/O-thread record buffers, reused across batches
+
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
+    ) -> None:
+        super().bind_kv_cache(kv_cache, layout, model_fingerprint)
+        # fs + CPU cache: records go cache -> file (writev) and file -> cache (readv)
+        # directly, without assembling them in a buffer.
+        self._kv_np = cache_numpy(kv_cache) if isinstance(self.backend, FsBackend) else None
 
     # -- scheduler side ---------------------------------------------------------------------
     def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
@@ -76,69 +120,151 @@ class BlockStoreConnector(AsyncConnectorBase):
         self._submit(transfer, "load", lambda d: self._load(transfer, d))
 
     def _save(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
-        kv, layout = self._bound()
+        all_keys = block_keys(self._fingerprint, t.block_hashes)
         idx = list(range(t.start_block, len(t.block_hashes)))
-        keys = block_keys(self._fingerprint, [t.block_hashes[i] for i in idx])
-        res = TransferResult(t.request_id, "save", True, keys=keys)
-        written = skipped = 0
+        keys = all_keys[t.start_block :]
+        res = TransferResult(t.request_id, "save", True, keys=all_keys)
+        skipped = 0
         try:
             present = self.backend.exists(keys) if keys else []
             todo = [(i, k) for i, k, p in zip(idx, keys, present, strict=True) if not p]
             skipped = len(keys) - len(todo)
-            for b in range(0, len(todo), self.batch_blocks):
-                deadline.check()
-                items = []
-                for i, key in todo[b : b + self.batch_blocks]:
-                    block = kv[:, :, t.block_ids[i], : t.block_num_tokens[i]]
-                    items.append((key, encode_block(block, layout)))
-                self.backend.put(items)
-                written += len(items)
-                res.bytes_moved += sum(len(v) for _, v in items)
+            batches = [
+                todo[b : b + self.batch_blocks] for b in range(0, len(todo), self.batch_blocks)
+            ]
+            futures = [self._io.submit(self._save_batch, t, batch, deadline) for batch in batches]
+            for fut, batch in zip(futures, batches, strict=True):
+                res.bytes_moved += fut.result(timeout=max(0.0, deadline.remaining()))
+                res.num_saved_blocks += len(batch)
         except KVStoreError as e:
             res.ok, res.error, res.failure_reason = False, str(e), "unreachable"
-        except TransferDeadline as e:
-            res.ok, res.error, res.failure_reason = False, str(e), "timeout"
-        self.stats.record_save(written, res.bytes_moved, skipped)
+        except (TransferDeadline, FutureTimeout):
+            res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
+        self.stats.record_save(res.num_saved_blocks, res.bytes_moved, skipped)
         return res
 
-    def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
+    def _save_batch(self, t: KVTransfer, batch: list[tuple[int, str]], deadline: Deadline) -> int:
+        """Encode and put one batch (on an I/O thread); returns the bytes written."""
+        deadline.check()
         kv, layout = self._bound()
+        if self._kv_np is not None and isinstance(self.backend, FsBackend):
+            return self._save_batch_direct(self.backend, self._kv_np, layout, t, batch)
+        bufs: list[bytearray] = getattr(self._tls, "bufs", [])
+        items = []
+        for j, (i, key) in enumerate(batch):
+            block = kv[:, :, t.block_ids[i], : t.block_num_tokens[i]]
+            items.append((key, encode_block(block, layout, bufs[j] if j < len(bufs) else None)))
+        self.backend.put(items)
+        # put() has copied the records out (file write / socket send): reuse the buffers.
+        self._tls.bufs = [v for _, v in items]
+        return sum(len(v) for _, v in items)
+
+    @staticmethod
+    def _save_batch_direct(
+        fs: FsBackend,
+        kv_np: np.ndarray,
+        layout: KvLayout,
+        t: KVTransfer,
+        batch: list[tuple[int, str]],
+    ) -> int:
+        items: list[tuple[str, list[Blob]]] = []
+        nbytes = 0
+        for i, key in batch:
+            n = t.block_num_tokens[i]
+            parts = block_parts(kv_np, t.block_ids[i], n)
+            items.append((key, [record_header(layout, n, parts), *(p.data for p in parts)]))
+            nbytes += record_size(layout, n)
+        fs.put_parts(items)
+        return nbytes
+
+    def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
         idx = list(range(t.start_block, len(t.block_hashes)))
         keys = block_keys(self._fingerprint, [t.block_hashes[i] for i in idx])
         res = TransferResult(t.request_id, "load", True, keys=keys)
+        spans = [
+            (b, min(b + self.batch_blocks, len(idx))) for b in range(0, len(idx), self.batch_blocks)
+        ]
+        # Batches load concurrently; blocks after a failed one may land in the cache too,
+        # which is harmless: only the leading ``num_loaded_blocks`` are reported as loaded.
+        futures = [
+            self._io.submit(self._load_batch, t, idx[a:b], keys[a:b], deadline) for a, b in spans
+        ]
         try:
-            for b in range(0, len(idx), self.batch_blocks):
-                deadline.check()
-                values = self.backend.get(keys[b : b + self.batch_blocks])
-                for i, key, value in zip(idx[b:], keys[b:], values, strict=False):
-                    n = t.block_num_tokens[i]
-                    if value is None:
-                        res.ok, res.error, res.failure_reason = (
-                            False,
-                            f"block {key} missing",
-                            "missing",
-                        )
-                        return self._finish_load(res)
-                    try:
-                        block = decode_block(value, layout, expected_tokens=n)
-                    except KVRecordError as e:
-                        reason = record_failure_reason(e)
-                        res.ok, res.error, res.failure_reason = False, f"block {key}: {e}", reason
-                        return self._finish_load(res)
-                    dst = kv[:, :, t.block_ids[i], :n]
-                    dst.copy_(block)
-                    res.num_loaded_blocks += 1
-                    res.bytes_moved += len(value)
+            for fut in futures:
+                loaded, nbytes, failure = fut.result(timeout=max(0.0, deadline.remaining()))
+                res.num_loaded_blocks += loaded
+                res.bytes_moved += nbytes
+                if failure is not None:
+                    res.ok, (res.failure_reason, res.error) = False, failure
+                    break
         except KVStoreError as e:
             res.ok, res.error, res.failure_reason = False, str(e), "unreachable"
-        except TransferDeadline as e:
-            res.ok, res.error, res.failure_reason = False, str(e), "timeout"
-        return self._finish_load(res)
-
-    def _finish_load(self, res: TransferResult) -> TransferResult:
+        except (TransferDeadline, FutureTimeout):
+            res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
+        finally:
+            for fut in futures:
+                fut.cancel()
         self.stats.record_load(res.num_loaded_blocks, res.bytes_moved)
         return res
 
+    def _load_batch(
+        self, t: KVTransfer, idx: list[int], keys: list[str], deadline: Deadline
+    ) -> tuple[int, int, tuple[str, str] | None]:
+        """Get, verify and copy in one batch; ``(leading blocks loaded, bytes, failure)``
+        where failure is ``(reason, message)`` for the first bad block, else None."""
+        deadline.check()
+        kv, layout = self._bound()
+        if self._kv_np is not None and isinstance(self.backend, FsBackend):
+            return self._load_batch_direct(self.backend, self._kv_np, layout, t, idx, keys)
+        values = self.backend.get(keys)
+        loaded = nbytes = 0
+        for i, key, value in zip(idx, keys, values, strict=True):
+            n = t.block_num_tokens[i]
+            if value is None:
+                return loaded, nbytes, ("missing", f"block {key} missing")
+            try:
+                block = decode_block(value, layout, expected_tokens=n)
+            except KVRecordError as e:
+                return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
+            copy_into(kv[:, :, t.block_ids[i], :n], block)
+            loaded += 1
+            nbytes += len(value)
+        return loaded, nbytes, None
+
+    @staticmethod
+    def _load_batch_direct(
+        fs: FsBackend,
+        kv_np: np.ndarray,
+        layout: KvLayout,
+        t: KVTransfer,
+        idx: list[int],
+        keys: list[str],
+    ) -> tuple[int, int, tuple[str, str] | None]:
+        """``_load_batch`` reading each record straight into its cache block. A block that
+        then fails verification holds garbage, but is not counted as loaded."""
+        loaded = nbytes = 0
+        for i, key in zip(idx, keys, strict=True):
+            n = t.block_num_tokens[i]
+            parts = block_parts(kv_np, t.block_ids[i], n)
+            header = bytearray(HEADER_SIZE)
+            size = fs.get_into(key, [header, *(p.data for p in parts)])
+            try:
+                if size is None:
+                    return loaded, nbytes, ("missing", f"block {key} missing")
+                if size != record_size(layout, n):
+                    value = fs.get([key])[0]  # wrong size: decode it whole for the exact error
+                    if value is None:
+                        return loaded, nbytes, ("missing", f"block {key} missing")
+                    decode_block(value, layout, expected_tokens=n)
+                    raise RecordLayoutError(f"record size {size} does not match {n} tokens")
+                check_record_parts(header, parts, layout, n)
+            except KVRecordError as e:
+                return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
+            loaded += 1
+            nbytes += size
+        return loaded, nbytes, None
+
     def close(self) -> None:
         super().close()
+        self._io.shutdown(wait=True, cancel_futures=True)
         self.backend.close()

@@ -75,22 +75,34 @@ class KVStoreSettings:
     def validate(self) -> None:
         """``ValueError`` naming the flag to fix."""
         if self.connector not in CONNECTORS:
-            raise ValueError(f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
+            raise ValueError(
+                f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}"
+            )
         if self.kv_ttl < 0:
             raise ValueError(f"--kv-ttl must be >= 0, got {self.kv_ttl}")
         if self.kv_capacity < 0:
             raise ValueError(f"--kv-capacity must be >= 0, got {self.kv_capacity}")
-        need = {"fs": ("kv_path", "--kv-path / PDSERVE_KV_PATH"),
-                "redis": ("redis_url", "--redis-url / PDSERVE_REDIS_URL"),
-                "lmcache": ("lmcache_url", "--lmcache-url / PDSERVE_LMCACHE_URL")}
+        need = {
+            "fs": ("kv_path", "--kv-path / PDSERVE_KV_PATH"),
+            "redis": ("redis_url", "--redis-url / PDSERVE_REDIS_URL"),
+            "lmcache": ("lmcache_url", "--lmcache-url / PDSERVE_LMCACHE_URL"),
+        }
         if self.connector in need:
             attr, flag = need[self.connector]
             if not getattr(self, attr):
                 raise ValueError(f"--connector {self.connector} needs {flag}")
-        if self.connector == "redis" and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must look like redis://host:port, got {self.redis_url!r}")
-        if self.connector == "lmcache" and not str(self.lmcache_url).startswith(("lm://", "redis://")):
-            raise ValueError(f"--lmcache-url must look like lm://host:port or redis://host:port, got {self.lmcache_url!r}")
+        if self.connector == "redis" and not str(self.redis_url).startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"--redis-url must look like redis://host:port, got {self.redis_url!r}"
+            )
+        if self.connector == "lmcache" and not str(self.lmcache_url).startswith(
+            ("lm://", "redis://")
+        ):
+            raise ValueError(
+                f"--lmcache-url must look like lm://host:port or redis://host:port, got {self.lmcache_url!r}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KVStoreSettings:
@@ -111,35 +123,64 @@ class KVStoreSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KVStoreSettings:
         """Settings from a namespace parsed with ``add_cli_arguments``."""
-        s = cls(args.connector, args.kv_path, args.redis_url, args.lmcache_url,
-                args.kv_ttl, args.kv_capacity, args.kv_key_prefix)
+        s = cls(
+            args.connector,
+            args.kv_path,
+            args.redis_url,
+            args.lmcache_url,
+            args.kv_ttl,
+            args.kv_capacity,
+            args.kv_key_prefix,
+        )
         s.validate()
         return s
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+def add_cli_arguments(
+    parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None
+) -> None:
     """Add the connector flags; each defaults to its ``PDSERVE_*`` twin, then the built-in."""
-    d = KVStoreSettings(
-        connector=(env or os.environ).get("PDSERVE_CONNECTOR", "none").strip().lower(),
-    )
     env = os.environ if env is None else env
     g = parser.add_argument_group("KV store")
-    g.add_argument("--connector", choices=CONNECTORS, default=d.connector,
-                   help="KV connector (env PDSERVE_CONNECTOR)")
-    g.add_argument("--kv-path", default=env.get("PDSERVE_KV_PATH") or None,
-                   help="fs connector directory (env PDSERVE_KV_PATH)")
-    g.add_argument("--redis-url", default=env.get("PDSERVE_REDIS_URL") or None,
-                   help="redis connector URL, redis://host:port (env PDSERVE_REDIS_URL)")
-    g.add_argument("--lmcache-url", default=env.get("PDSERVE_LMCACHE_URL") or None,
-                   help="LMCache remote, lm://host:port or redis://host:port (env PDSERVE_LMCACHE_URL)")
-    g.add_argument("--kv-ttl", type=_parse_ttl, default=_parse_ttl(env.get("PDSERVE_KV_TTL", DEFAULT_TTL_S)),
-                   help="seconds a stored block lives, 0 = forever (env PDSERVE_KV_TTL)")
-    g.add_argument("--kv-capacity", type=parse_bytes,
-                   default=parse_bytes(env.get("PDSERVE_KV_CAPACITY", DEFAULT_CAPACITY)),
-                   help="byte bound of the fs store / LMCache local buffer, e.g. 10GiB; 0 = unbounded "
-                        "(env PDSERVE_KV_CAPACITY)")
-    g.add_argument("--kv-key-prefix", default=env.get("PDSERVE_KV_KEY_PREFIX", ""),
-                   help="namespace before every store key (env PDSERVE_KV_KEY_PREFIX)")
+    g.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default=env.get("PDSERVE_CONNECTOR", "none").strip().lower(),
+        help="KV connector (env PDSERVE_CONNECTOR)",
+    )
+    g.add_argument(
+        "--kv-path",
+        default=env.get("PDSERVE_KV_PATH") or None,
+        help="fs connector directory (env PDSERVE_KV_PATH)",
+    )
+    g.add_argument(
+        "--redis-url",
+        default=env.get("PDSERVE_REDIS_URL") or None,
+        help="redis connector URL, redis://host:port (env PDSERVE_REDIS_URL)",
+    )
+    g.add_argument(
+        "--lmcache-url",
+        default=env.get("PDSERVE_LMCACHE_URL") or None,
+        help="LMCache remote, lm://host:port or redis://host:port (env PDSERVE_LMCACHE_URL)",
+    )
+    g.add_argument(
+        "--kv-ttl",
+        type=_parse_ttl,
+        default=_parse_ttl(env.get("PDSERVE_KV_TTL", DEFAULT_TTL_S)),
+        help="seconds a stored block lives, 0 = forever (env PDSERVE_KV_TTL)",
+    )
+    g.add_argument(
+        "--kv-capacity",
+        type=parse_bytes,
+        default=parse_bytes(env.get("PDSERVE_KV_CAPACITY", DEFAULT_CAPACITY)),
+        help="byte bound of the fs store / LMCache local buffer, e.g. 10GiB; 0 = unbounded "
+        "(env PDSERVE_KV_CAPACITY)",
+    )
+    g.add_argument(
+        "--kv-key-prefix",
+        default=env.get("PDSERVE_KV_KEY_PREFIX", ""),
+        help="namespace before every store key (env PDSERVE_KV_KEY_PREFIX)",
+    )
 
 
 def build_connector(settings: KVStoreSettings) -> KVConnector | None:
@@ -155,7 +196,9 @@ def build_connector(settings: KVStoreSettings) -> KVConnector | None:
         from kv_store.fs_backend import FsBackend
 
         assert settings.kv_path is not None
-        fs = FsBackend(settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix)
+        fs = FsBackend(
+            settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix
+        )
         return BlockStoreConnector(fs, name="fs")
     if settings.connector == "redis":
         from kv_store.block_connector import BlockStoreConnector

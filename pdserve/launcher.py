@@ -32,6 +32,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdserve.settings import (
     add_env_argument,
@@ -115,18 +116,18 @@ def free_ports(count: int) -> list[int]:
 
 
 def grpc_probe(address: str) -> Probe:
-    """True once the service at ``address`` answers the standard health check with SERVING."""
+    """True once the service at ``address`` answers the standard health check with SERVING.
+    Each probe uses its own short-lived channel, so nothing stays connected afterwards."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    channel = grpc.insecure_channel(address)
-    stub = health_pb2_grpc.HealthStub(channel)
-
     def probe() -> bool:
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     return probe
@@ -260,19 +261,9 @@ def _store_child(launcher: Launcher, args: argparse.Namespace) -> tuple[list[str
             "redis-server", "install it (apt-get install redis-server) or pass --redis-url"
         )
         (port,) = free_ports(1)
-        argv = [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(launcher.workdir),
-        ]
+        options = f"--port {port} --bind 127.0.0.1 --appendonly no".split()
+        # No snapshots: the store is a cache, not a database.
+        argv = [binary, *options, "--save", "", "--dir", str(launcher.workdir)]
         child = launcher.add("redis", argv, tcp_probe(port, b"PING\r\n", b"+PONG"))
         return ["--connector", "redis", "--redis-url", f"redis://127.0.0.1:{port}/0"], child
     if args.lmcache_url:
@@ -284,6 +275,26 @@ def _store_child(launcher: Launcher, args: argparse.Namespace) -> tuple[list[str
     (port,) = free_ports(1)
     child = launcher.add("lmcache", [binary, "127.0.0.1", str(port)], tcp_probe(port))
     return ["--connector", "lmcache", "--lmcache-url", f"lm://127.0.0.1:{port}"], child
+
+
+# LMCache allocates (and touches) its whole local CPU buffer at start; the store's 10 GiB
+# default would exhaust a small machine with two engines, so `up` asks for less.
+LMCACHE_DEFAULT_CAPACITY = "1GiB"
+
+
+def _connector_flags(
+    launcher: Launcher, args: argparse.Namespace
+) -> tuple[list[str], Child | None]:
+    """``_store_child`` plus the store bounds (``--kv-ttl``, ``--kv-capacity``) to pass on."""
+    flags, child = _store_child(launcher, args)
+    capacity = args.kv_capacity or (
+        LMCACHE_DEFAULT_CAPACITY if args.connector == "lmcache" else None
+    )
+    if capacity:
+        flags += ["--kv-capacity", capacity]
+    if args.kv_ttl:
+        flags += ["--kv-ttl", args.kv_ttl]
+    return flags, child
 
 
 def _require_tool(name: str, hint: str) -> str:
@@ -313,7 +324,7 @@ def build_plan(
     num_engines = args.prefill + args.decode
     threads = args.torch_threads or fair_thread_share(num_engines)
     connector_flags, store = (
-        ([], None) if args.mode == "colocated" else _store_child(launcher, args)
+        ([], None) if args.mode == "colocated" else _connector_flags(launcher, args)
     )
     engine_flags = _engine_flags(args, model_dir, threads)
     ports = free_ports(2 * num_engines)
@@ -323,33 +334,14 @@ def build_plan(
         for i in range(count):
             port, metrics_port = ports.pop(), ports.pop()
             address = f"127.0.0.1:{port}"
-            argv = launcher.python(
-                role,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(metrics_port),
-                *engine_flags,
-                *connector_flags,
-            )
+            listen = f"--host 127.0.0.1 --port {port} --metrics-port {metrics_port}".split()
+            argv = launcher.python(role, *listen, *engine_flags, *connector_flags)
             services.append(launcher.add(f"{role}-{i}", argv, grpc_probe(address)))
             urls[role].append(address)
     router_argv = launcher.python(
-        "router",
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--model",
-        model_dir,
-        "--mode",
-        args.mode,
-        "--prefill-urls",
-        ",".join(urls["prefill"]),
-        "--decode-urls",
-        ",".join(urls["decode"]),
+        *["router", "--host", args.host, "--port", str(args.port), "--mode", args.mode],
+        *["--model", model_dir, "--served-model-name", args.model],
+        *["--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])],
     )
     router = launcher.add(
         "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
@@ -360,6 +352,18 @@ def build_plan(
 
 def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast (and clearly) when the router's port is taken: another server there could
+    even answer the health check in the router's place."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise LaunchError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
+            ) from None
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -386,6 +390,7 @@ def run_up(args: argparse.Namespace) -> int:
     }
     try:
         _check_counts(args)
+        _check_port_free(args.host, args.port)
         from pdserve.models import resolve_model
 
         model_dir = resolve_model(args.model)
@@ -427,79 +432,55 @@ def _print(line: str, *, err: bool = False) -> None:
     stream.flush()
 
 
+# `pdserve up` flags: (flag, add_env_argument keywords). Each also reads its PDSERVE_* twin.
+_UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--model", {"default": "smollm2", "help": "model name or local HF directory"}),
+    ("--prefill", {"type": non_negative_int, "help": "prefill instances (1; 0 when colocated)"}),
+    ("--decode", {"type": positive_int, "default": 1, "help": "decode instances"}),
+    (
+        "--mode",
+        {
+            "default": "disaggregated",
+            "choices": ["disaggregated", "colocated", "auto"],
+            "help": "router mode",
+        },
+    ),
+    ("--connector", {"default": "fs", "choices": ["fs", "redis", "lmcache"], "help": "KV store"}),
+    ("--kv-path", {"help": "fs store directory (default: a temporary one, removed at exit)"}),
+    ("--redis-url", {"help": "use this Redis instead of starting redis-server"}),
+    ("--lmcache-url", {"help": "use this LMCache server instead of starting lmcache_server"}),
+    (
+        "--kv-capacity",
+        {"help": f"store byte bound, e.g. 4GiB (lmcache: {LMCACHE_DEFAULT_CAPACITY})"},
+    ),
+    ("--kv-ttl", {"help": "seconds a stored block lives"}),
+    ("--host", {"default": "127.0.0.1", "help": "router listen address"}),
+    ("--port", {"type": positive_int, "default": 8000, "help": "router port"}),
+    ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
+    ("--max-num-seqs", {"type": positive_int, "help": "per engine"}),
+    ("--max-num-batched-tokens", {"type": positive_int, "help": "per engine"}),
+    ("--kv-cache-memory", {"type": memory_size, "help": "KV cache per engine, e.g. 512M"}),
+    (
+        "--torch-threads",
+        {"type": non_negative_int, "default": 0, "help": "per engine; 0 = cores // engines"},
+    ),
+    (
+        "--startup-timeout",
+        {"type": float, "default": 600.0, "help": "seconds for every part to be healthy"},
+    ),
+    (
+        "--shutdown-grace",
+        {"type": float, "default": 20.0, "help": "seconds children get before SIGKILL"},
+    ),
+    ("--log-dir", {"help": "keep child logs here (default: in the temporary directory)"}),
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `pdserve up`; each flag also reads its ``PDSERVE_*`` twin (``--port`` ← PDSERVE_PORT)."""
     parser = subparsers.add_parser(
         "up", help="run router + prefill + decode services locally", description=__doc__
     )
-    add_env_argument(parser, "--model", default="smollm2", help="model name or local HF directory")
-    add_env_argument(
-        parser,
-        "--prefill",
-        type=non_negative_int,
-        default=None,
-        help="prefill instances (1; 0 when colocated)",
-    )
-    add_env_argument(parser, "--decode", type=positive_int, default=1, help="decode instances")
-    add_env_argument(
-        parser,
-        "--mode",
-        default="disaggregated",
-        choices=["disaggregated", "colocated", "auto"],
-        help="router mode",
-    )
-    add_env_argument(
-        parser, "--connector", default="fs", choices=["fs", "redis", "lmcache"], help="KV store"
-    )
-    add_env_argument(
-        parser, "--kv-path", default=None, help="fs store directory (a temporary one if unset)"
-    )
-    add_env_argument(
-        parser, "--redis-url", default=None, help="use this Redis instead of starting one"
-    )
-    add_env_argument(
-        parser,
-        "--lmcache-url",
-        default=None,
-        help="use this LMCache server instead of starting one",
-    )
-    add_env_argument(parser, "--host", default="127.0.0.1", help="router listen address")
-    add_env_argument(parser, "--port", type=positive_int, default=8000, help="router port")
-    add_env_argument(
-        parser, "--device", default="cpu", choices=["cpu", "cuda"], help="engine device"
-    )
-    add_env_argument(parser, "--max-num-seqs", type=positive_int, default=None, help="per engine")
-    add_env_argument(
-        parser, "--max-num-batched-tokens", type=positive_int, default=None, help="per engine"
-    )
-    add_env_argument(
-        parser, "--kv-cache-memory", type=memory_size, default=None, help="per engine, e.g. 512M"
-    )
-    add_env_argument(
-        parser,
-        "--torch-threads",
-        type=non_negative_int,
-        default=0,
-        help="per engine; 0 = cores // engines",
-    )
-    add_env_argument(
-        parser,
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds for every part to be healthy",
-    )
-    add_env_argument(
-        parser,
-        "--shutdown-grace",
-        type=float,
-        default=20.0,
-        help="seconds children get to exit before SIGKILL",
-    )
-    add_env_argument(
-        parser,
-        "--log-dir",
-        default=None,
-        help="keep child logs here (default: a temp dir, removed)",
-    )
+    for flag, options in _UP_FLAGS:
+        add_env_argument(parser, flag, **options)
     parser.set_defaults(func=run_up)

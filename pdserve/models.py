@@ -234,7 +234,7 @@ def _convert(spec: KnownModel, gguf_dir: Path, out_dir: Path) -> None:
 def _cmd_pull(args: argparse.Namespace) -> int:
     try:
         result = pull_model(args.name, args.cache_dir)
-    except (ValueError, RuntimeError, TimeoutError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # OSError covers TimeoutError
         print(f"pdserve models pull: error: {exc}", file=sys.stderr)
         return 2
     print(result.path, flush=True)  # the LAST stdout line: scripts read it

@@ -49,12 +49,33 @@ def add_env_argument(
     choices: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> None:
-    """Add a valued flag whose default comes from its ``PDSERVE_*`` twin when set."""
+    """Add a valued flag whose default comes from its ``PDSERVE_*`` twin when set.
+
+    argparse converts a string default with ``type`` when the (sub)command is parsed, so a
+    bad environment value fails then, with the flag's name, like a bad flag would; it does
+    not check ``choices`` for defaults, so ``type`` is wrapped to do that too.
+    """
     env = os.environ if environ is None else environ
     name = env_name(flag)
     value: Any = env.get(name, default)
+    convert = type if choices is None else _checked_choice(type, choices, name)
     suffix = f" (env {name}; default {default})"
-    parser.add_argument(flag, type=type, default=value, choices=choices, help=help + suffix)
+    parser.add_argument(flag, type=convert, default=value, choices=choices, help=help + suffix)
+
+
+def _checked_choice(
+    convert: Callable[[str], Any], choices: list[str], name: str
+) -> Callable[[str], Any]:
+    def checked(text: str) -> Any:
+        value = convert(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (flag or {name}); choose from {', '.join(map(str, choices))}"
+            )
+        return value
+
+    checked.__name__ = getattr(convert, "__name__", "value")
+    return checked
 
 
 def add_env_switch(

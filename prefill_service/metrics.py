@@ -1,15 +1,25 @@
 """Prometheus metrics of one engine service, on its own ``CollectorRegistry`` (no globals).
 
-Engine gauges and connector counters are read at scrape time (a custom collector), so
-they are never stale and cost nothing between scrapes; per-request figures (outcomes, phase
-timings, KV load fallbacks) are recorded as requests finish.
+Engine gauges, connector counters and KV-load fallbacks are read at scrape time (a custom
+collector), so they are never stale and cost nothing between scrapes; per-request figures
+(outcomes, phase timings) are recorded as requests finish.
+
+| metric | type | labels |
+|---|---|---|
+| pdserve_engine_{waiting,running,kv_usage,prefix_hit_rate,waiting_for_remote_kv} | gauge | role |
+| pdserve_service_requests_total | counter | role, rpc, outcome |
+| pdserve_phase_seconds | histogram | role, phase (queue, compute, kv_save, kv_load) |
+| pdserve_kv_{blocks,bytes}_{saved,loaded}_total, _blocks_skipped, _lookups, ... | counter | connector, role |
+| pdserve_kv_failures_total | counter | connector, role, reason |
+| pdserve_kv_load_fallbacks_total | counter | role, reason |
+| pdserve_kv_blocks_recomputed_total | counter | role |
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -20,89 +30,88 @@ from pdserve.v1 import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-_PHASE_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_GAUGES = (
+    ("waiting", "requests waiting to be scheduled (including those waiting for remote KV)"),
+    ("running", "requests in the running batch"),
+    ("kv_usage", "fraction of KV blocks in use"),
+    ("prefix_hit_rate", "fraction of prompt tokens served by the local prefix cache"),
+    ("waiting_for_remote_kv", "requests waiting for their KV from the store"),
 )
 
 
 class _EngineCollector(Collector):
-    """Engine load gauges and connector transfer counters, read when Prometheus scrapes."""
+    """Reads the engine (an ``AsyncLLMEngine``) and its connector when Prometheus scrapes.
+    A scrape never fails because of them: whatever cannot be read is left out."""
 
-    def __init__(self, role: str, get_load: Callable[[], Any], connector: Any | None) -> None:
+    def __init__(self, role: str, engine: Any) -> None:
         self._role = role
-        self._get_load = get_load
-        self._connector = connector
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
         try:
-            load = self._get_load()
-        except Exception:  # a scrape must not fail because the engine is shutting down
+            load = self._engine.get_load()
+        except Exception:
             logger.debug("get_load failed during scrape", exc_info=True)
-            load = None
-        if load is not None:
-            for name, doc, value in (
-                ("waiting", "requests waiting to be scheduled", load.waiting),
-                ("running", "requests in the running batch", load.running),
-                ("kv_usage", "fraction of KV blocks in use", load.kv_usage),
-                (
-                    "prefix_hit_rate",
-                    "prompt tokens served by the prefix cache (fraction)",
-                    load.prefix_hit_rate,
-                ),
-                (
-                    "waiting_for_remote_kv",
-                    "requests waiting for KV from the store",
-                    load.waiting_for_remote_kv,
-                ),
-            ):
+        else:
+            for name, doc in _GAUGES:
                 gauge = GaugeMetricFamily(f"pdserve_engine_{name}", doc, labels=["role"])
-                gauge.add_metric([self._role], float(value))
+                gauge.add_metric([self._role], float(getattr(load, name)))
                 yield gauge
-        yield from self._connector_counters()
+        inner = getattr(self._engine, "engine", None)  # the synchronous LLMEngine
+        yield from self._connector_counters(getattr(inner, "connector", None))
+        yield from self._fallbacks(getattr(inner, "transfers", None))
 
-    def _connector_counters(self) -> Iterator[Metric]:
-        """The connector's ``ConnectorStats`` as counters ``pdserve_kv_<field>_total{connector}``
-        (blocks/bytes saved, skipped and loaded, transfer seconds, lookups) plus
-        ``pdserve_kv_failures_total{connector,reason}``."""
-        stats = getattr(self._connector, "stats", None)
+    def _connector_counters(self, connector: Any) -> Iterator[Metric]:
+        """Every number in the connector's ``ConnectorStats`` as ``pdserve_kv_<field>_total``;
+        its ``failures`` dict as ``pdserve_kv_failures_total{reason}``."""
+        stats = getattr(connector, "stats", None)
         if stats is None or not dataclasses.is_dataclass(stats):
             return
         if hasattr(stats, "snapshot"):
             stats = stats.snapshot()
-        name = getattr(self._connector, "name", type(self._connector).__name__)
-        labels = ["connector", "role"]
+        labels = [getattr(connector, "name", type(connector).__name__), self._role]
         for field in dataclasses.fields(stats):
             value = getattr(stats, field.name)
+            name = f"pdserve_kv_{field.name}"
             if field.name.startswith("_") or isinstance(value, bool):
                 continue
             if isinstance(value, int | float):
                 counter = CounterMetricFamily(
-                    f"pdserve_kv_{field.name}", f"KV connector {field.name}", labels=labels
+                    name, f"KV connector {field.name}", labels=["connector", "role"]
                 )
-                counter.add_metric([name, self._role], float(value))
+                counter.add_metric(labels, float(value))
                 yield counter
             elif isinstance(value, dict):
                 counter = CounterMetricFamily(
-                    f"pdserve_kv_{field.name}",
+                    name,
                     f"KV connector {field.name} by reason",
-                    labels=[*labels, "reason"],
+                    labels=["connector", "role", "reason"],
                 )
-                for reason, count in sorted(value.items()):
-                    counter.add_metric([name, self._role, str(reason)], float(count))
+                for reason, count in sorted(dict(value).items()):
+                    counter.add_metric([*labels, str(reason)], float(count))
                 yield counter
+
+    def _fallbacks(self, transfers: Any) -> Iterator[Metric]:
+        """Remote-KV loads that fell short (by reason), and the blocks recomputed instead."""
+        stats = getattr(transfers, "stats", None)
+        if stats is None:
+            return
+        fallbacks = CounterMetricFamily(
+            "pdserve_kv_load_fallbacks",
+            "remote KV loads that fell short (blocks missing, corrupt, store unreachable)",
+            labels=["role", "reason"],
+        )
+        for reason, count in sorted(dict(stats.load_fallbacks).items()):
+            fallbacks.add_metric([self._role, str(reason)], float(count))
+        yield fallbacks
+        recomputed = CounterMetricFamily(
+            "pdserve_kv_blocks_recomputed",
+            "KV blocks recomputed locally instead of loaded",
+            labels=["role"],
+        )
+        recomputed.add_metric([self._role], float(stats.blocks_recomputed))
+        yield recomputed
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,60 +122,38 @@ class ServiceMetrics:
     registry: CollectorRegistry
     requests: Counter
     phase_seconds: Histogram
-    kv_load_fallbacks: Counter
-    kv_blocks_recomputed: Counter
 
     @classmethod
     def create(cls, role: str) -> ServiceMetrics:
         registry = CollectorRegistry(auto_describe=True)
-        return cls(
-            role=role,
+        requests = Counter(
+            "pdserve_service_requests",
+            "RPCs by method and outcome (ok, cancelled, deadline_exceeded, or the status code)",
+            ["role", "rpc", "outcome"],
             registry=registry,
-            requests=Counter(
-                "pdserve_service_requests",
-                "RPCs by method and outcome",
-                ["role", "rpc", "outcome"],
-                registry=registry,
-            ),
-            phase_seconds=Histogram(
-                "pdserve_phase_seconds",
-                "per-request phase durations (queue, compute, kv_save, kv_load)",
-                ["role", "phase"],
-                buckets=_PHASE_BUCKETS,
-                registry=registry,
-            ),
-            kv_load_fallbacks=Counter(
-                "pdserve_kv_load_fallbacks",
-                "requests whose remote KV could not be (fully) loaded",
-                ["role", "reason"],
-                registry=registry,
-            ),
-            kv_blocks_recomputed=Counter(
-                "pdserve_kv_blocks_recomputed",
-                "KV blocks recomputed locally instead of loaded",
-                ["role"],
-                registry=registry,
-            ),
         )
+        phase_seconds = Histogram(
+            "pdserve_phase_seconds",
+            "per-request phase durations: queue, compute, kv_save, kv_load",
+            ["role", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=registry,
+        )
+        return cls(role, registry, requests, phase_seconds)
 
-    def watch_engine(self, get_load: Callable[[], Any], connector: Any | None) -> None:
-        """Export the engine's load and the connector's stats at scrape time."""
-        self.registry.register(_EngineCollector(self.role, get_load, connector))
+    def watch_engine(self, engine: Any) -> None:
+        """Export the engine's load, connector stats and KV fallbacks at scrape time."""
+        self.registry.register(_EngineCollector(self.role, engine))
 
     def record_outcome(self, rpc: str, outcome: str) -> None:
         self.requests.labels(self.role, rpc, outcome).inc()
 
     def observe_timings(self, timings: pb.PhaseTimings) -> None:
-        """Record one request's final phase timings (zero phases are not observed)."""
+        """Record one request's phase timings (phases that did not happen are left out)."""
         for phase in ("queue_s", "compute_s", "kv_save_s", "kv_load_s"):
             value = getattr(timings, phase)
             if value > 0:
                 self.phase_seconds.labels(self.role, phase.removesuffix("_s")).observe(value)
-        if timings.kv_blocks_recomputed:
-            self.kv_blocks_recomputed.labels(self.role).inc(timings.kv_blocks_recomputed)
-
-    def record_fallback(self, reason: str) -> None:
-        self.kv_load_fallbacks.labels(self.role, reason).inc()
 
     def serve(self, host: str, port: int) -> Any:
         """Start the ``/metrics`` HTTP server on a daemon thread; returns it (``shutdown()``)."""

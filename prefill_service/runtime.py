@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kv_store.base import KVStoreError
 from pdserve.settings import engine_config_from_args
 from prefill_service.base import EngineServiceCore
 from prefill_service.errors import ErrorMappingInterceptor
@@ -63,7 +66,33 @@ def build_connector(args: argparse.Namespace) -> Any | None:
 def run_service(args: argparse.Namespace, *, role: str, register: Register) -> int:
     """Run one service process until it is signalled; returns the exit status."""
     configure_threads(args.torch_threads)
-    return asyncio.run(_serve(args, role, register))
+    try:
+        status = asyncio.run(_serve(args, role, register))
+    except (ValueError, KVStoreError) as exc:
+        # Bad settings or an unreachable store at startup: one clear line, not a traceback.
+        logger.error("%s service cannot start: %s", role, exc)
+        status = 2
+    _exit_despite_stray_threads(status)
+    return status
+
+
+def _exit_despite_stray_threads(status: int, timeout: float = 5.0) -> None:
+    """Exit now if non-daemon threads that libraries started (LMCache's monitors, executor
+    workers) would otherwise keep the stopped process alive: a drained service must end."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stray = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if stray:
+        logger.warning("exiting with threads still running: %s", ", ".join(stray))
+        logging.shutdown()
+        os._exit(status)
 
 
 async def _serve(args: argparse.Namespace, role: str, register: Register) -> int:
@@ -74,7 +103,7 @@ async def _serve(args: argparse.Namespace, role: str, register: Register) -> int
     engine = AsyncLLMEngine(config, connector)
     await engine.start()
     metrics = ServiceMetrics.create(role)
-    metrics.watch_engine(engine.get_load, connector)
+    metrics.watch_engine(engine)
     core = EngineServiceCore(
         role=role,
         engine=engine,
@@ -108,9 +137,7 @@ async def _serve(args: argparse.Namespace, role: str, register: Register) -> int
         await _drain_on_signal(core, health_servicer, args.drain_grace)
         await server.stop(grace=2.0)
     finally:
-        await engine.shutdown()
-        if connector is not None:
-            connector.close()
+        await engine.shutdown()  # also closes the connector
         if metrics_server is not None:
             metrics_server.shutdown()
     logger.info("%s service stopped", role)

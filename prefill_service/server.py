@@ -36,6 +36,12 @@ def register(server: grpc.aio.Server, core: EngineServiceCore, connector: Any) -
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pdserve prefill` (parsed flags in, exit status out)."""
+    if args.connector == "none":
+        logging.getLogger(__name__).error(
+            "a prefill service needs a KV store to hand its KV to decode: pass --connector "
+            "fs|redis|lmcache (env PDSERVE_CONNECTOR) with its --kv-path / --redis-url / --lmcache-url"
+        )
+        return 2
     return run_service(args, role="prefill", register=register)
 
 

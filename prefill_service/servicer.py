@@ -25,6 +25,7 @@ from prefill_service.convert import (
     sampling_params_from_proto,
     token_ids,
 )
+from prefill_service.errors import ServiceUnavailable
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -57,6 +58,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 )
             if out.kv_saved is not None:
                 saved = out.kv_saved
+                if saved.error:
+                    # The router gets UNAVAILABLE after the first token: no handle will come,
+                    # so it prefills elsewhere or locally instead of letting decode wait.
+                    raise ServiceUnavailable(
+                        f"KV save of request {request_id} failed: {saved.error}"
+                    )
                 timings = phase_timings(
                     out,
                     compute_s=(first_at or time.monotonic()) - start - out.queue_seconds,
@@ -81,7 +88,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def _first_token(out: Any) -> pb.FirstToken:
         """The first token; ``finished`` only when the request itself ends there (EOS or a
         stop condition) — the forced ``max_tokens=1`` of prefill is not an ending."""
-        stopped = out.finished and out.finish_reason == "stop"
+        stopped = out.finish_reason == "stop"
         logprobs = logprobs_to_proto(out.logprobs)
         return pb.FirstToken(
             token_id=out.new_token_ids[0],

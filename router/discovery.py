@@ -260,6 +260,12 @@ class EndpointSliceDiscovery(InstanceDiscovery):
             raise ValueError("EndpointSliceDiscovery needs a namespace, a service and a port")
         if min(resync, watch_timeout, request_timeout) <= 0:
             raise ValueError("resync, watch_timeout and request_timeout must be positive")
+        try:
+            import kubernetes  # noqa: F401  (fail here, not in the watch thread)
+        except ImportError as exc:
+            raise RuntimeError(
+                "k8s discovery needs the 'kubernetes' package (pip install kubernetes)"
+            ) from exc
         self.namespace, self.service, self.port, self.port_name = (
             namespace,
             service,

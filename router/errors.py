@@ -8,6 +8,7 @@ turned into 400s with that body, because OpenAI clients expect 400 for bad reque
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -86,8 +87,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return text, param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every error through the OpenAI body (422 → 400)."""
+def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None] | None = None) -> None:
+    """Route every error through the OpenAI body (422 → 400); ``on_invalid`` is called for
+    each request body that fails validation (to count it)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -95,6 +97,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        if on_invalid is not None:
+            on_invalid()
         message, param = _validation_message(exc)
         return JSONResponse(
             error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400

@@ -48,6 +48,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    vocab_size: int = 0  # 0 = unknown (no token-id range check)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """KV bytes one token occupies for ``dtype`` (K and V, every layer)."""
@@ -63,6 +64,7 @@ class ModelShape:
             num_layers=int(config.get("num_hidden_layers", 1)),
             num_kv_heads=int(config.get("num_key_value_heads", heads)),
             head_dim=head_dim,
+            vocab_size=int(config.get("vocab_size", 0)),
         )
 
 

@@ -124,7 +124,11 @@ def _arch_spec(arch: str) -> tuple[Any, Any, dict[str, Any]]:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,
         }
-        return tf.LlamaConfig, tf.LlamaForCausalLM, {"rope_theta": 500000.0, "rope_scaling": scaling}
+        return (
+            tf.LlamaConfig,
+            tf.LlamaForCausalLM,
+            {"rope_theta": 500000.0, "rope_scaling": scaling},
+        )
     if arch == "qwen2":
         # Qwen2 always has q/k/v biases; small Qwen2.5 checkpoints tie their embeddings.
         return tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}

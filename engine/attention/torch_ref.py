@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Scatter new K/V rows into the paged cache ``[2, blocks, block, heads, dim]``."""
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
@@ -23,12 +25,16 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request's first ``length`` tokens: ``[length, heads, dim]`` each."""
     block_size = kv_cache.shape[2]
     n_blocks = -(-length // block_size)
-    blocks = kv_cache[:, block_table[:n_blocks]]  # [2, n, block, heads, dim]
-    flat = blocks.reshape(2, n_blocks * block_size, *kv_cache.shape[3:])
+    # index_select copies whole blocks; advanced indexing (kv_cache[:, table]) copies
+    # element by element on the CPU and was ~20x slower here.
+    blocks = kv_cache.index_select(1, block_table[:n_blocks])  # [2, n, block, heads, dim]
+    flat = blocks.view(2, n_blocks * block_size, *kv_cache.shape[3:])
     return flat[0, :length], flat[1, :length]
 
 
@@ -55,7 +61,12 @@ class TorchRefAttention(AttentionBackend):
         for i in prefill_reqs:
             q0, q1 = starts[i], starts[i + 1]
             seq_len = meta.seq_lens_cpu[i]
-            k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            if seq_len == q1 - q0:
+                # No cached context: the new rows are the whole context (same values the
+                # cache now holds), so skip reading them back.
+                k, v = key[q0:q1].to(kv_cache.dtype), value[q0:q1].to(kv_cache.dtype)
+            else:
+                k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
             out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, causal_offset=seq_len - (q1 - q0))
         return out
 
@@ -71,41 +82,38 @@ class TorchRefAttention(AttentionBackend):
         block_size = kv_cache.shape[2]
         rows = torch.tensor([meta.query_start_loc_cpu[i] for i in reqs], device=query.device)
         lens = [meta.seq_lens_cpu[i] for i in reqs]
-        max_len = max(lens)
-        n_blocks = -(-max_len // block_size)
+        n_blocks = -(-max(lens) // block_size)
         tables = meta.block_tables[reqs][:, :n_blocks]  # [B, n]
-        ctx = kv_cache[:, tables]  # [2, B, n, block, heads, dim]
-        ctx = ctx.reshape(2, len(reqs), n_blocks * block_size, *kv_cache.shape[3:])
-        k = ctx[0].transpose(1, 2)  # [B, heads, L, dim]
-        v = ctx[1].transpose(1, 2)
-        q = query[rows].unsqueeze(2)  # [B, q_heads, 1, dim]
+        batch, kv_heads, dim = len(reqs), kv_cache.shape[3], kv_cache.shape[4]
+        ctx = kv_cache.index_select(1, tables.reshape(-1))  # [2, B*n, block, heads, dim]
+        ctx = ctx.view(2, batch, n_blocks * block_size, kv_heads, dim).transpose(2, 3)
+        k, v = ctx[0].to(query.dtype), ctx[1].to(query.dtype)  # [B, kv_heads, L, dim]
+        # Grouped-query attention without repeating K/V: the query heads that share a KV
+        # head become rows of one query block ([B, kv_heads, groups, dim]).
+        groups = query.shape[1] // kv_heads
+        q = query[rows].view(batch, kv_heads, groups, dim)
         positions = torch.arange(n_blocks * block_size, device=query.device)
         mask = positions[None, :] < torch.tensor(lens, device=query.device)[:, None]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
-        )
-        out[rows] = o.squeeze(2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        out[rows] = o.reshape(batch, kv_heads * groups, dim)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
+) -> torch.Tensor:
     """Attention of ``q`` [Lq, Hq, D] over ``k``/``v`` [Lk, Hkv, D]; query j sees keys <= offset + j."""
     lq, lk = q.shape[0], k.shape[0]
-    groups = q.shape[1] // k.shape[1]
-    qt = q.transpose(0, 1)
+    kv_heads, dim = k.shape[1], k.shape[2]
+    groups = q.shape[1] // kv_heads
+    # Query heads sharing a KV head are stacked as extra query rows: [Hkv, groups * Lq, D],
+    # so K/V are never repeated per query head (query row r is token r % Lq).
+    qg = q.view(lq, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * lq, dim)
     kt = k.transpose(0, 1).to(q.dtype)
     vt = v.transpose(0, 1).to(q.dtype)
+    mask = torch.arange(lk, device=q.device)[None, :] <= (
+        torch.arange(lq, device=q.device)[:, None] + causal_offset
+    )
     if groups > 1:
-        kt = kt.repeat_interleave(groups, dim=0)
-        vt = vt.repeat_interleave(groups, dim=0)
-    if causal_offset == 0 and lq == lk:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        mask = torch.arange(lk, device=q.device)[None, :] <= (
-            torch.arange(lq, device=q.device)[:, None] + causal_offset
-        )
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+        mask = mask.repeat(groups, 1)
+    o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
+    return o.view(kv_heads, groups, lq, dim).permute(2, 0, 1, 3).reshape(lq, kv_heads * groups, dim)

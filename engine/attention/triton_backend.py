@@ -50,15 +50,18 @@ def choose_config(
     max_query_len: int,
     max_seq_len: int,
     num_reqs: int,
+    num_tokens: int,
     num_kv_heads: int,
     group: int,
     dtype: torch.dtype,
     num_sms: int | None,
 ) -> LaunchConfig:
-    """Pick tiles. ``num_sms`` None means the interpreter: small tiles, many loop trips."""
-    on_gpu = num_sms is not None
+    """Pick tiles. ``num_sms`` None means the interpreter: small tiles, many loop trips.
+
+    GPU choices come from the H200 tile sweep in benchmarks/gpu_h200.md.
+    """
+    wide = dtype != torch.float32  # fp32 tiles take twice the shared memory
     if max_query_len <= 1:
-        block_m = max(16, _pow2(group))
         splits = 1
         if num_sms is not None:
             # Enough programs for ~2 waves, but no split shorter than ~256 tokens.
@@ -66,22 +69,27 @@ def choose_config(
             splits = max(1, min(want, math.ceil(max_seq_len / 256), 32))
         return LaunchConfig(
             block_q=1,
-            block_m=block_m,
-            block_n=64 if on_gpu else 16,
+            block_m=max(16, _pow2(group)),
+            block_n=(128 if wide else 64) if num_sms is not None else 16,
             num_splits=splits,
             decode_only=True,
             num_warps=4,
-            num_stages=3 if dtype != torch.float32 else 2,
+            num_stages=2,
         )
-    block_m = (128 if dtype != torch.float32 else 64) if on_gpu else 16
+    if num_sms is None:
+        block_m, block_n = 16, 16
+    elif wide:
+        block_m, block_n = (128 if num_tokens >= 4096 else 64), 64
+    else:
+        block_m, block_n = 64, 32
     block_m = max(block_m, _pow2(group))
     return LaunchConfig(
         block_q=max(1, block_m // group),
         block_m=block_m,
-        block_n=64 if on_gpu else 16,
+        block_n=block_n,
         num_splits=1,
         decode_only=False,
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=4,
         num_stages=2,
     )
 
@@ -103,7 +111,9 @@ def write_kv_cache(
     """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
     num_tokens, kv_heads, head_dim = key.shape
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (kv_heads, head_dim):
-        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit key {tuple(key.shape)}")
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not fit key {tuple(key.shape)}"
+        )
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache layer view must be contiguous")
     if num_tokens == 0:
@@ -147,20 +157,27 @@ def paged_attention(
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
         num_reqs=meta.num_reqs,
+        num_tokens=num_tokens,
         num_kv_heads=num_kv_heads,
         group=group,
         dtype=query.dtype,
         num_sms=num_sms,
     )
-    if cfg.decode_only:
-        grid0 = meta.num_reqs
-    else:
-        grid0 = num_tokens // cfg.block_q + meta.num_reqs
+    if cfg.block_q * group > cfg.block_m or (cfg.decode_only and meta.max_query_len > 1):
+        raise ValueError(
+            f"launch config {cfg} does not fit group {group} / max_query_len {meta.max_query_len}"
+        )
+    # Request r owns programs [qsl[r] // block_q + r, ...): an upper bound on q tiles.
+    grid0 = meta.num_reqs if cfg.decode_only else num_tokens // cfg.block_q + meta.num_reqs
     if cfg.num_splits > 1:
         part_out = torch.empty(
-            (num_tokens, num_heads, cfg.num_splits, head_dim), dtype=torch.float32, device=query.device
+            (num_tokens, num_heads, cfg.num_splits, head_dim),
+            dtype=torch.float32,
+            device=query.device,
         )
-        part_lse = torch.empty((num_tokens, num_heads, cfg.num_splits), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(
+            (num_tokens, num_heads, cfg.num_splits), dtype=torch.float32, device=query.device
+        )
     else:
         part_out = part_lse = out  # unused by the kernel
     bt = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
@@ -215,14 +232,20 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tens
     """Raise ValueError for shapes/dtypes the kernels do not handle."""
     _check_device(query)
     if query.dim() != 3 or key.dim() != 3:
-        raise ValueError(f"query/key must be [tokens, heads, head_dim], got {tuple(query.shape)}, {tuple(key.shape)}")
+        raise ValueError(
+            f"query/key must be [tokens, heads, head_dim], got {tuple(query.shape)}, {tuple(key.shape)}"
+        )
     head_dim = query.shape[2]
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
-        raise ValueError(f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES})")
+        raise ValueError(
+            f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES})"
+        )
     if query.shape[1] % key.shape[1]:
-        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}")
+        raise ValueError(
+            f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}"
+        )
     page = kv_cache.shape[2]
     if page < 1 or page & (page - 1):
         raise ValueError(f"block_size must be a power of two, got {page}")

@@ -61,6 +61,56 @@ def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh, scale_log2,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
+
+    MASKED=False is for tiles wholly inside the context and visible to every query row.
+    """
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    n_ok = n < kv_hi
+    if MASKED:
+        blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + n // PAGE).to(tl.int64)
+    tok_off = (blk * PAGE + n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    if MASKED:
+        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None])
+        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :])
+    if UPCAST:
+        k = k.to(tl.float32)
+    if IEEE:  # noqa: SIM108 - constexpr branch, one dot compiled
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        # Round P like the GPU path does, then multiply in fp32.
+        p = p.to(v.dtype).to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:  # noqa: SIM108 - constexpr branch, one dot compiled
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attn_kernel(
     q_ptr,
@@ -135,38 +185,19 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_hi
-        blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        tok_off = (blk * PAGE + n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
-        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2
-        ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        if UPCAST:
-            # Round P like the GPU path does, then multiply in fp32.
-            p = p.to(v.dtype).to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Keys up to the tile's first query position are visible to every row: no mask needed.
+    full_hi = tl.minimum(kv_hi, ctx_off + q_block * BLOCK_Q + 1)
+    mid = kv_lo + (tl.maximum(full_hi - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    for start in range(kv_lo, mid, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, IEEE, UPCAST,
+        )  # fmt: skip
+    for start in range(mid, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, IEEE, UPCAST,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
@@ -201,6 +232,8 @@ def _merge_splits_kernel(
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     denom = tl.sum(w, 0)
-    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.load(
+        part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0
+    )
     res = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))

@@ -40,43 +40,61 @@ def make_case(
     device: torch.device | str,
     seed: int,
     pad_tokens: int = 0,
+    num_blocks: int | None = None,
 ) -> PagedCase:
-    """One batch; ``pad_tokens`` extra query rows belong to no request (slot -1)."""
+    """One batch; ``pad_tokens`` extra query rows belong to no request (slot -1).
+
+    ``num_blocks`` sizes the cache (default: what the batch needs + 3 spare blocks).
+    """
     if len(q_lens) != len(cached):
         raise ValueError("q_lens and cached must have one entry per request")
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(cached, q_lens)]
+    # Big tensors are drawn on the target device (CPU generation dominates GPU test time).
+    dgen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=dgen, device=device).to(dtype)
+
+    seq_lens = [c + q for c, q in zip(cached, q_lens, strict=True)]
     blocks_per = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per) + 3  # spare blocks stay NaN
+    need = sum(blocks_per)
+    if num_blocks is None:
+        num_blocks = need + 3  # spare blocks stay NaN
+    elif num_blocks < need:
+        raise ValueError(f"num_blocks {num_blocks} < {need} needed by the batch")
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(blocks_per) + 1  # one padding column, like a real block table
     table = torch.zeros((len(q_lens), width), dtype=torch.int32)
-    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    full_k, full_v, new_k, new_v, slots = [], [], [], [], []
-    for r, (c, s) in enumerate(zip(cached, seq_lens)):
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    full_k: list[torch.Tensor] = []
+    full_v: list[torch.Tensor] = []
+    new_k: list[torch.Tensor] = []
+    new_v: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    for r, (c, s) in enumerate(zip(cached, seq_lens, strict=True)):
         ids = [perm.pop() for _ in range(blocks_per[r])]
         table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        k = torch.randn((s, num_kv_heads, head_dim), generator=gen).to(dtype)
-        v = torch.randn((s, num_kv_heads, head_dim), generator=gen).to(dtype)
+        k, v = randn(s, num_kv_heads, head_dim), randn(s, num_kv_heads, head_dim)
         full_k.append(k)
         full_v.append(v)
-        pos = torch.arange(s)
-        slot = torch.tensor(ids, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        pos = torch.arange(s, device=device)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+        slot = ids_t[pos // block_size] * block_size + pos % block_size
         cache[0].view(-1, num_kv_heads, head_dim)[slot[:c]] = k[:c]
         cache[1].view(-1, num_kv_heads, head_dim)[slot[:c]] = v[:c]
-        slots += slot[c:].tolist()
+        slots.append(slot[c:])
         new_k.append(k[c:])
         new_v.append(v[c:])
-    slots += [-1] * pad_tokens
-    new_k.append(torch.randn((pad_tokens, num_kv_heads, head_dim), generator=gen).to(dtype))
-    new_v.append(torch.randn((pad_tokens, num_kv_heads, head_dim), generator=gen).to(dtype))
-    num_tokens = sum(q_lens) + pad_tokens
-    query = torch.randn((num_tokens, num_heads, head_dim), generator=gen).to(dtype)
+    slots.append(torch.full((pad_tokens,), -1, dtype=torch.int64, device=device))
+    new_k.append(randn(pad_tokens, num_kv_heads, head_dim))
+    new_v.append(randn(pad_tokens, num_kv_heads, head_dim))
+    query = randn(sum(q_lens) + pad_tokens, num_heads, head_dim)
     qsl = [0]
     for q in q_lens:
         qsl.append(qsl[-1] + q)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=torch.cat(slots).to(device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=table.to(device),
@@ -86,10 +104,10 @@ def make_case(
         seq_lens_cpu=seq_lens,
     )
     return PagedCase(
-        query=query.to(device),
-        key=torch.cat(new_k).to(device),
-        value=torch.cat(new_v).to(device),
-        kv_cache=cache.to(device),
+        query=query,
+        key=torch.cat(new_k),
+        value=torch.cat(new_v),
+        kv_cache=cache,
         meta=meta,
         scale=head_dim**-0.5,
         full_k=full_k,
@@ -103,7 +121,7 @@ def reference_attention(case: PagedCase, device: torch.device | str = "cpu") -> 
     out = torch.zeros_like(q_all)
     qsl = case.meta.query_start_loc_cpu
     heads = q_all.shape[1]
-    for r, (k, v) in enumerate(zip(case.full_k, case.full_v)):
+    for r, (k, v) in enumerate(zip(case.full_k, case.full_v, strict=True)):
         q = q_all[qsl[r] : qsl[r + 1]]
         q_len, seq_len = q.shape[0], k.shape[0]
         group = heads // k.shape[1]
@@ -111,7 +129,9 @@ def reference_attention(case: PagedCase, device: torch.device | str = "cpu") -> 
         vv = v.to(device).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, kk) * case.scale
         pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len, device=device)[None, :] > pos, float("-inf"))
+        scores = scores.masked_fill(
+            torch.arange(seq_len, device=device)[None, :] > pos, float("-inf")
+        )
         out[qsl[r] : qsl[r + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     return out
 
@@ -128,7 +148,7 @@ def cache_error(case: PagedCase) -> float:
     bs, kvh, hd = cache.shape[2], cache.shape[3], cache.shape[4]
     table = case.meta.block_tables
     worst = 0.0
-    for r, (k, v) in enumerate(zip(case.full_k, case.full_v)):
+    for r, (k, v) in enumerate(zip(case.full_k, case.full_v, strict=True)):
         pos = torch.arange(k.shape[0], device=cache.device)
         slots = table[r, pos // bs].long() * bs + pos % bs
         got_k = cache[0].reshape(-1, kvh, hd)[slots].double()

@@ -118,22 +118,18 @@ def _rate(text: str) -> float:
     return value
 
 
-def _rate_list(text: str) -> list[float]:
-    return [_rate(part) for part in text.split(",") if part.strip()]
+def rate_list(text: str) -> list[float]:
+    """`"1,2,4"` -> [1.0, 2.0, 4.0] (each > 0; `inf` allowed)."""
+    rates = [_rate(part) for part in text.split(",") if part.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError(f"expected a comma list of rates, got {text!r}")
+    return rates
 
 
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `serve` on the `bench` group's subparsers; returns its parser."""
-    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
-    t = p.add_argument_group("target")
-    t.add_argument("--base-url", default="http://127.0.0.1:8000")
-    t.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
-    t.add_argument("--model", help="model name sent in the body (default: first of /v1/models)")
-    t.add_argument("--tokenizer", help="local HF tokenizer dir for sizing prompts in tokens")
-    t.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    t.add_argument("--temperature", type=float, default=0.0)
-    t.add_argument("--request-timings", action="store_true", help='ask for "pdserve_timings"')
-    w = p.add_argument_group("workload")
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Workload flags (shared with `pdserve tune`)."""
+    w = parser.add_argument_group("workload")
+    w.add_argument("--tokenizer", help="local HF tokenizer dir for sizing prompts in tokens")
     w.add_argument("--dataset-name", choices=KINDS, default="random")
     w.add_argument("--dataset-path", help="JSONL file for --dataset-name jsonl")
     w.add_argument("--input-len", default="256", help="tokens: N or LOW:HIGH (uniform)")
@@ -141,16 +137,41 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (prefix)")
     w.add_argument("--num-prefixes", type=int, default=4, help="prefix groups (prefix)")
     w.add_argument("--seed", type=int, default=0)
-    a = p.add_argument_group("load")
+
+
+def add_load_args(parser: argparse.ArgumentParser, with_rate: bool = True) -> None:
+    """Arrival, bound and SLO flags (shared with `pdserve tune`, which has its own rates)."""
+    a = parser.add_argument_group("load")
     a.add_argument("--num-prompts", type=int, help="requests to send (default 100)")
     a.add_argument("--duration", type=float, help="stop sending after this many seconds")
-    a.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s (default inf)")
+    if with_rate:
+        a.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     a.add_argument("--num-warmups", type=int, default=0, help="uncounted warm-up requests")
-    a.add_argument("--sweep-rates", type=_rate_list, help="comma list of rates, one run each")
+    a.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    a.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the `bench` group's subparsers; returns its parser."""
+    p = subparsers.add_parser(
+        "serve",
+        help="load-test an OpenAI-compatible server (streaming)",
+        description="Load-test an OpenAI-compatible server with streamed requests: TTFT, ITL, "
+        "TPOT, E2E percentiles, throughput and goodput under SLOs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default="http://127.0.0.1:8000")
+    t.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
+    t.add_argument("--model", help="model name sent in the body (default: first of /v1/models)")
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--request-timings", action="store_true", help='ask for "pdserve_timings"')
+    add_workload_args(p)
+    add_load_args(p)
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
+    o.add_argument("--sweep-rates", type=rate_list, help="comma list of rates, one run each")
     o.add_argument("--result-json", help="write results to this JSON file")
     o.add_argument("--save-requests", action="store_true", help="per-request data in the JSON")
     o.add_argument("--plot-dir", help="write PNG plots here")
@@ -159,9 +180,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """Translate parsed flags into a ServeConfig; ValueError on inconsistent flags."""
-    model = args.model or discover_model(args.base_url, args.request_timeout)
+def workload_load_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, LoadSpec]:
+    """The workload and load that the shared flags describe."""
     if args.num_prompts is not None:
         n_prompts, max_requests = args.num_prompts, args.num_prompts
     elif args.duration is not None:
@@ -179,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         seed=args.seed,
     )
     load = LoadSpec(
-        request_rate=args.request_rate,
+        request_rate=getattr(args, "request_rate", math.inf),
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         max_requests=max_requests,
@@ -187,6 +207,15 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         num_warmups=args.num_warmups,
         seed=args.seed,
     )
+    workload.validate()
+    load.validate()
+    return workload, load
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Translate parsed flags into a ServeConfig; ValueError on inconsistent flags."""
+    workload, load = workload_load_from_args(args)
+    model = args.model or discover_model(args.base_url, args.request_timeout)
     target = Target(
         base_url=args.base_url,
         model=model,
@@ -229,6 +258,7 @@ def write_outputs(config: ServeConfig, runs: list[RateRun], args: argparse.Names
 
 def serve_command(args: argparse.Namespace) -> int:
     """CLI entry: run, print the tables, write outputs. Exit 1 when no request succeeded."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     try:
         config = config_from_args(args)
         runs = asyncio.run(run_serve(config))

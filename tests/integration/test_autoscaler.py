@@ -251,6 +251,23 @@ async def test_dry_run_and_failures_change_nothing(router_page: RouterPage) -> N
             )
 
 
+async def test_routers_found_by_dns_are_all_scraped(router_page: RouterPage) -> None:
+    # "localhost" stands in for the routers' headless Service: every address it resolves
+    # to is scraped (an address nothing listens on is a counted scrape error, not a stop).
+    port = int(router_page.url.split(":")[2].split("/")[0])
+    async with cluster() as (api_url, apps):
+        cfg = make_config(
+            api_url, router_page.url, metrics_urls=(), metrics_dns="localhost", metrics_port=port
+        )
+        async with controller(cfg, Clock()) as scaler:
+            assert f"http://127.0.0.1:{port}/metrics" in await scaler.targets()
+            await scaler.step()
+            router_page.traffic(40, ttft=0.1, itl=0.2)
+            decisions = {d.pool: d for d in await scaler.step()}
+            assert decisions["decode"].action == "up"
+            assert await replicas(apps, "pd-decode") == 3
+
+
 async def test_python_m_autoscaler_scales_from_env_settings(router_page: RouterPage) -> None:
     async with cluster() as (api_url, apps):
         router_page.traffic(40, ttft=2.0, itl=0.02)

@@ -39,8 +39,10 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
     rng = random.Random(0)
     corpus = [
-        " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "serve", "decode", "the"])
-                 for _ in range(30))
+        " ".join(
+            rng.choice(["alpha", "beta", "gamma", "delta", "serve", "decode", "the"])
+            for _ in range(30)
+        )
         for _ in range(200)
     ]
     bpe = ByteLevelBPETokenizer()
@@ -102,7 +104,7 @@ def test_sharegpt_lengths_lognormal(word_tokenizer: PreTrainedTokenizerFast) -> 
     prompts = build_prompts(spec, codec)
     ins = sorted(p.prompt_len for p in prompts)
     outs = sorted(p.max_tokens for p in prompts)
-    assert 4 <= ins[0] and ins[-1] <= 320 and 1 <= outs[0] and outs[-1] <= 80
+    assert ins[0] >= 4 and ins[-1] <= 320 and outs[0] >= 1 and outs[-1] <= 80
     # the median of 300 lognormal draws lies near the given median (sd of the log-median
     # is ~ 1.25 sigma / sqrt(n) = 0.072 for the input), and the spread is wide
     assert 40 * 0.7 < ins[150] < 40 / 0.7

@@ -36,17 +36,30 @@ CASES: dict[str, tuple[list[int], list[int], int, int, int, int, str, int, int]]
     "long_split4_g8_bf16": ([1, 1], [300, 17], 8, 1, 64, 16, "bfloat16", 4, 0),
     "split_more_than_tiles": ([1, 1, 1], [0, 5, 40], 4, 2, 128, 16, "float32", 8, 0),
     "mixed_split3": ([12, 1, 5], [20, 70, 0], 4, 1, 64, 32, "float32", 3, 0),
+    "tiny_model_d16_g2": ([6, 1], [0, 40], 4, 2, 16, 16, "float32", 0, 0),
     "padding_rows": ([4, 1], [3, 9], 4, 2, 64, 16, "float32", 0, 3),
     "decode_padding_rows_split": ([1, 1], [30, 9], 4, 2, 64, 16, "bfloat16", 2, 2),
 }
 TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
 
 
-def _run_case(spec: tuple[list[int], list[int], int, int, int, int, str, int, int], seed: int) -> dict[str, float]:
+def _run_case(
+    spec: tuple[list[int], list[int], int, int, int, int, str, int, int], seed: int
+) -> dict[str, float]:
     import torch
 
-    from engine.attention.triton_backend import LaunchConfig, paged_attention, validate_inputs, write_kv_cache
-    from engine.attention.triton_testing import cache_error, make_case, reference_attention, relative_error
+    from engine.attention.triton_backend import (
+        LaunchConfig,
+        paged_attention,
+        validate_inputs,
+        write_kv_cache,
+    )
+    from engine.attention.triton_testing import (
+        cache_error,
+        make_case,
+        reference_attention,
+        relative_error,
+    )
 
     q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, splits, pad = spec
     case = make_case(
@@ -75,7 +88,9 @@ def _run_case(spec: tuple[list[int], list[int], int, int, int, int, str, int, in
             num_splits=splits,
             decode_only=decode,
         )
-    out = paged_attention(case.query, case.kv_cache, case.meta, case.scale, num_sms=None, config=config)
+    out = paged_attention(
+        case.query, case.kv_cache, case.meta, case.scale, num_sms=None, config=config
+    )
     real = sum(q_lens)  # padding rows belong to no request: their output is unspecified
     ref = reference_attention(case)[:real]
     return {"err": relative_error(out[:real], ref), "cache_err": cache_error(case)}
@@ -112,7 +127,9 @@ def test_kernel_matches_reference(interpreted: dict[str, dict[str, float]], name
     res = interpreted[name]
     tol = TOL[CASES[name][6]]
     assert res["cache_err"] == 0.0, f"{name}: K/V written wrong (max abs err {res['cache_err']})"
-    assert res["err"] < tol, f"{name}: relative error {res['err']:.3e} >= {tol} (NaN = read outside the context)"
+    assert res["err"] < tol, (
+        f"{name}: relative error {res['err']:.3e} >= {tol} (NaN = read outside the context)"
+    )
 
 
 def test_cpu_tensors_without_interpreter_are_refused() -> None:
@@ -138,7 +155,12 @@ def test_cpu_tensors_without_interpreter_are_refused() -> None:
     ],
 )
 def test_bad_shapes_are_refused(
-    monkeypatch: pytest.MonkeyPatch, q_shape: tuple[int, int, int], kv_heads: int, head_dim: int, block_size: int, match: str
+    monkeypatch: pytest.MonkeyPatch,
+    q_shape: tuple[int, int, int],
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    match: str,
 ) -> None:
     import torch
 

@@ -1,0 +1,303 @@
+"""GPU benchmark: ceilings, attention kernels, and the engine end to end vs transformers.
+
+Run on the GPU machine from the repo root (one H200 here; see docs/gpu.md):
+
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py --sections ceilings,kernels,e2e,hf \\
+        --json benchmarks/gpu_h200.json --md benchmarks/gpu_h200.md
+
+Sections:
+- ceilings: device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate on
+  random data; every other number is read against these.
+- kernels: paged attention (Triton) vs the torch_ref backend and dense SDPA (gpu_bench_kernels).
+- e2e: the engine with dummy bf16 weights of the Llama-3.1-8B / Llama-3.2-1B shapes: batch-1
+  decode at a 512-token context, 2k-token prefill TTFT, offline 1024-in/1024-out throughput
+  with 256 sequences; per variant (torch_ref vs triton attention, eager vs CUDA graphs).
+- hf: ``transformers.generate`` on the same card, same prompts, as the baseline.
+
+Results go to JSON after every measurement, so a run cut short still reports what it did.
+``--tiny`` shrinks the ceilings and kernel shapes (CPU dry run under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_bench_kernels import Results, bench_ms, run_kernels  # noqa: E402
+from gpu_bench_report import render_markdown, summarize  # noqa: E402
+
+log = logging.getLogger("gpu_bench")
+CONFIGS = Path(__file__).resolve().parent / "configs"
+MODELS = ("llama-3.1-8b", "llama-3.2-1b")
+
+
+def measure_ceilings(res: Results, dev: torch.device, tiny: bool) -> None:
+    n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16 per buffer on the GPU
+    a = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a), dev)
+    bw = 2 * a.numel() * a.element_size() / (ms * 1e-3) / 1e9
+    m = 256 if tiny else 8192
+    x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    ms_mm = bench_ms(lambda: x @ y, dev)
+    tflops = 2 * m**3 / (ms_mm * 1e-3) / 1e12
+    res.put(
+        "ceilings", "measured", {"copy_GBps": round(bw, 1), "bf16_matmul_TFLOPs": round(tflops, 1)}
+    )
+
+
+def model_numbers(name: str) -> dict[str, float]:
+    """Parameter counts, decode bytes and prefill FLOPs of a Llama config (bf16)."""
+    c = json.loads((CONFIGS / name / "config.json").read_text())
+    h, inter, layers, heads = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+    )
+    kvh, vocab = c["num_key_value_heads"], c["vocab_size"]
+    d = c.get("head_dim") or h // heads
+    per_layer = h * (heads * d + 2 * kvh * d) + heads * d * h + 3 * h * inter + 2 * h
+    tied = c.get("tie_word_embeddings", False)
+    return {
+        "params": layers * per_layer + h * vocab * (1 if tied else 2) + h,
+        "decode_weight_bytes": 2 * (layers * per_layer + h * vocab + h),  # lm_head read whole
+        "kv_bytes_per_token": layers * 2 * kvh * d * 2,
+        "layer_matmul_params": layers * (per_layer - 2 * h),
+        "attn_flop_coef": layers * 4 * heads * d,  # x n(n+1)/2 for a causal prefill of n
+        "lm_head_flops": 2 * h * vocab,
+    }
+
+
+def prefill_flops(nums: dict[str, float], n: int) -> float:
+    return (
+        2 * n * nums["layer_matmul_params"]
+        + nums["attn_flop_coef"] * n * (n + 1) / 2
+        + nums["lm_head_flops"]
+    )
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def make_engine(model: str, backend: str, graphs: bool) -> Any:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=str(CONFIGS / model),
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        attention_backend=backend,
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9,
+    )
+    engine = LLMEngine(cfg)
+    t0 = time.perf_counter()
+    if graphs:
+        from engine.cuda_graphs import install_decode_graphs
+
+        install_decode_graphs(engine.runner, cfg.max_num_seqs)
+    log.info("engine %s/%s ready (graph capture %.1f s)", model, backend, time.perf_counter() - t0)
+    return engine
+
+
+def run_batch(engine: Any, batch: list[list[int]], max_tokens: int, tag: str) -> dict[str, Any]:
+    """Add every prompt at once, step until done; wall time, output tokens, per-step times."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(batch):
+        engine.add_request(f"{tag}-{i}", p, params)
+    first: dict[str, float] = {}
+    steps: list[float] = []
+    n_out = 0
+    while engine.has_unfinished():
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        steps.append(te - ts)
+        for o in outs:
+            n_out += len(o.new_token_ids)
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = te - t0
+    return {
+        "total_s": time.perf_counter() - t0,
+        "out_tokens": n_out,
+        "steps": steps,
+        "ttft": sorted(first.values()),
+    }
+
+
+def bench_engine(
+    res: Results, model: str, backend: str, graphs: bool, rows: list[str], deadline: float
+) -> None:
+    """One engine variant: the rows asked for, each skipped if the run's deadline has passed."""
+    variant = f"{model}/{backend}/{'graphs' if graphs else 'eager'}"
+    nums = model_numbers(model)
+    engine = make_engine(model, backend, graphs)
+    row: dict[str, Any] = {}
+    try:
+        if "decode_b1" in rows and time.monotonic() < deadline:
+            run_batch(engine, prompts(1, 512, 1), 16, "warm")
+            r = run_batch(engine, prompts(1, 512, 2), 128, "b1")
+            ms = statistics.median(r["steps"][1:]) * 1e3
+            row["decode_b1_ctx512_ms_per_token"] = round(ms, 3)
+            res.put("e2e", variant, row)
+        if "prefill_2k" in rows and time.monotonic() < deadline:
+            run_batch(engine, prompts(1, 2048, 3), 1, "warm2k")
+            ttfts = [
+                run_batch(engine, prompts(1, 2048, 10 + i), 1, f"p2k{i}")["ttft"][0]
+                for i in range(3)
+            ]
+            t = statistics.median(ttfts)
+            row["prefill_2k_ttft_ms"] = round(t * 1e3, 2)
+            row["prefill_2k_TFLOPs"] = round(prefill_flops(nums, 2048) / t / 1e12, 1)
+            res.put("e2e", variant, row)
+        for name, n_out in (("thr_1k_16", 16), ("thr_1k_1k", 1024)):
+            if name in rows and time.monotonic() < deadline:
+                run_batch(engine, prompts(16, 1024, 4), 8, f"warm{name}")
+                r = run_batch(engine, prompts(256, 1024, 5), n_out, name)
+                row[f"{name}_out_tok_s"] = round(r["out_tokens"] / r["total_s"], 1)
+                row[f"{name}_total_s"] = round(r["total_s"], 2)
+                row[f"{name}_median_step_ms"] = round(statistics.median(r["steps"]) * 1e3, 2)
+                res.put("e2e", variant, row)
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_hf(res: Results, model: str, deadline: float) -> None:
+    """transformers.generate (eager, its default dynamic cache), greedy, same prompt shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(CONFIGS / model)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    hf.eval()
+
+    def gen(batch: list[list[int]], new: int) -> float:
+        ids = torch.tensor(batch, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    row: dict[str, Any] = {}
+    key = f"{model}/transformers"
+    gen(prompts(1, 512, 1), 64)  # warm up at full length
+    t1, t65 = gen(prompts(1, 512, 2), 1), gen(prompts(1, 512, 2), 65)
+    row["decode_b1_ctx512_ms_per_token"] = round((t65 - t1) / 64 * 1e3, 3)
+    gen(prompts(1, 2048, 3), 1)
+    t = statistics.median(gen(prompts(1, 2048, 10 + i), 1) for i in range(3))
+    row["prefill_2k_ttft_ms"] = round(t * 1e3, 2)
+    row["prefill_2k_TFLOPs"] = round(prefill_flops(model_numbers(model), 2048) / t / 1e12, 1)
+    res.put("hf", key, row)
+    if time.monotonic() < deadline:
+        gen(prompts(64, 1024, 4), 4)
+        t = gen(prompts(64, 1024, 5), 128)
+        row["thr_b64_1k_128_out_tok_s"] = round(64 * 128 / t, 1)
+        res.put("hf", key, row)
+
+
+def run_e2e(res: Results, sections: list[str], deadline: float) -> None:
+    """Headline variants of both models first, then the before-rows (eager, torch_ref)."""
+    for model in MODELS:
+        res.put("models", model, model_numbers(model))
+    full = ["decode_b1", "prefill_2k", "thr_1k_1k", "thr_1k_16"]
+    plan: list[tuple[str, str, bool, list[str]]] = []
+    for model in MODELS:
+        plan += [(model, "triton", True, full), (model, "hf", False, [])]
+    for model in MODELS:
+        plan += [
+            (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"]),
+            (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"]),
+        ]
+    for model, backend, graphs, rows in plan:
+        if time.monotonic() >= deadline:
+            res.put("skipped", f"{model}/{backend}/{graphs}", "run budget spent")
+        elif backend == "hf" and "hf" in sections:
+            _guarded(res, f"{model}/transformers", bench_hf, res, model, deadline)
+        elif backend != "hf" and "e2e" in sections:
+            _guarded(
+                res,
+                f"{model}/{backend}/{graphs}",
+                bench_engine,
+                res,
+                model,
+                backend,
+                graphs,
+                rows,
+                deadline,
+            )
+
+
+def _guarded(res: Results, key: str, fn: Any, *args: Any) -> None:
+    """Run one benchmark; a failure is recorded in the results and the run goes on."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - report every failure, keep measuring the rest
+        log.exception("%s failed", key)
+        res.put("errors", key, f"{type(exc).__name__}: {exc}"[:1000])
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default="ceilings,kernels")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    p.add_argument("--merge", type=Path, default=None, help="earlier JSON kept under 'earlier'")
+    p.add_argument("--no-sweep", action="store_true", help="kernels: skip the tile sweep")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start nothing new after this")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    deadline = time.monotonic() + args.budget_s
+    res = Results(args.json)
+    if args.merge is not None:
+        res.data["earlier"] = json.loads(args.merge.read_text())
+    res.put("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    res.put("env", "torch", torch.__version__)
+    sections = args.sections.split(",")
+    if "ceilings" in sections:
+        measure_ceilings(res, dev, args.tiny)
+    if "kernels" in sections:
+        run_kernels(res, dev, args.tiny, sweep=not args.no_sweep)
+    if "e2e" in sections or "hf" in sections:
+        run_e2e(res, sections, deadline)
+    if args.md is not None:
+        args.md.write_text(render_markdown(res.data))
+    print(summarize(res.data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""KV transfer throughput: save + load per connector beside a plain in-memory copy.
+
+    PYTHONHASHSEED=0 .venv/bin/python benchmarks/kv_transfer.py \
+        --json benchmarks/kv_transfer.json
+
+For each block shape (SmolLM2-135M fp32; Llama-3.1-8B bf16 = 128 KiB/token) and a prompt
+of ``--tokens`` tokens (blocks of 16), it times ``start_save`` → result and ``start_load``
+→ result through each connector (fs on /dev/shm, Redis on loopback, LMCache with an
+``lmcache_server`` on loopback), each prompt fresh (no dedup hits), and the same bytes
+copied block by block between two in-memory tensors ("memcpy"). It starts and stops its
+own redis-server and lmcache_server. Reports GB/s (1e9 bytes/s, payload bytes) and the
+per-block overhead versus memcpy. LMCache needs PYTHONHASHSEED=0 (re-exec'd if unset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTHONHASHSEED") != "0":  # LMCache keys chunks by hash(): fixed seed
+    os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, PYTHONHASHSEED="0"))
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from engine.block_hash import compute_block_hashes  # noqa: E402
+from kv_store.base import KvLayout, KVTransfer  # noqa: E402
+from kv_store.factory import KVStoreSettings, build_connector  # noqa: E402
+from kv_store.record import copy_into  # noqa: E402
+from tests.servers import start_lmcache, start_redis  # noqa: E402
+
+SHAPES = {
+    "smollm2-135m-fp32": KvLayout(1, "float32", 16, 30, 3, 64),
+    "llama3.1-8b-bf16": KvLayout(1, "bfloat16", 16, 32, 8, 128),
+}
+
+
+def make_cache(lay: KvLayout, blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (lay.num_layers, 2, blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    return torch.randn(shape, generator=g).to(getattr(torch, lay.dtype))
+
+
+def make_transfer(rid: str, seed: int, n_tokens: int, lay: KvLayout) -> KVTransfer:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32000, (n_tokens,), generator=g).tolist()
+    hashes = compute_block_hashes(tokens, lay.block_size, include_partial=True)
+    counts = [min(lay.block_size, n_tokens - i * lay.block_size) for i in range(len(hashes))]
+    return KVTransfer(rid, tokens, hashes, list(range(len(hashes))), counts)
+
+
+def bench_memcpy(src: torch.Tensor, dst: torch.Tensor, blocks: int) -> tuple[float, float]:
+    """Block-by-block copy out of the cache into preallocated buffers, and back."""
+    bufs = [torch.empty_like(src[:, :, 0]) for _ in range(blocks)]
+    for b in range(blocks):  # touch pages once so neither side pays first-touch faults
+        copy_into(bufs[b], src[:, :, b])
+    t0 = time.perf_counter()
+    for b in range(blocks):
+        copy_into(bufs[b], src[:, :, b])
+    t1 = time.perf_counter()
+    for b in range(blocks):
+        copy_into(dst[:, :, b], bufs[b])
+    t2 = time.perf_counter()
+    assert torch.equal(dst[:, :, :blocks], src[:, :, :blocks])
+    return t1 - t0, t2 - t1
+
+
+def bench_connector(
+    settings: KVStoreSettings,
+    lay: KvLayout,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    tokens: int,
+    seed: int,
+) -> tuple[float, float]:
+    producer, consumer = build_connector(settings), build_connector(settings)
+    assert producer is not None and consumer is not None
+    try:
+        producer.bind_kv_cache(
+            src, lay, f"bench-{lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim}"
+        )
+        consumer.bind_kv_cache(
+            dst, lay, f"bench-{lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim}"
+        )
+        t = make_transfer(f"r{seed}", seed, tokens, lay)
+        t0 = time.perf_counter()
+        producer.start_save(t)
+        (r,) = producer.wait(1, 600)  # type: ignore[attr-defined]
+        t1 = time.perf_counter()
+        assert r.ok and r.num_saved_blocks == len(t.block_ids), r
+        dst.zero_()
+        t2 = time.perf_counter()
+        consumer.start_load(t)
+        (r,) = consumer.wait(1, 600)  # type: ignore[attr-defined]
+        t3 = time.perf_counter()
+        assert r.ok and r.num_loaded_blocks == len(t.block_ids), r
+        n = len(t.block_ids)
+        assert torch.equal(dst[:, :, :n], src[:, :, :n]), "loaded bytes differ"
+        return t1 - t0, t3 - t2
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"tokens": args.tokens, "repeats": args.repeats, "rows": []}
+    servers = []
+    redis_url = lm_url = ""
+    if "redis" in args.backends:
+        redis_srv, redis_url = start_redis()
+        servers.append(redis_srv)
+    if "lmcache" in args.backends:
+        lm_srv, lm_url = start_lmcache()
+        servers.append(lm_srv)
+    shm = Path(tempfile.mkdtemp(prefix="pdserve-kvbench-", dir="/dev/shm"))
+    try:
+        for shape_name in args.shapes:
+            lay = SHAPES[shape_name]
+            blocks = -(-args.tokens // lay.block_size)
+            src = make_cache(lay, blocks, 0)
+            dst = torch.empty_like(src)
+            dst.zero_()  # touch every page now, not inside a timed load
+            token_bytes = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * src.element_size()
+            payload = args.tokens * token_bytes
+            timings: dict[str, list[tuple[float, float]]] = {}
+            for rep in range(args.repeats):
+                timings.setdefault("memcpy", []).append(bench_memcpy(src, dst, blocks))
+                for name in args.backends:
+                    s = KVStoreSettings(name, kv_ttl=0, kv_capacity=0)
+                    if name == "fs":
+                        s.kv_path = str(shm / f"{shape_name}-{rep}")
+                    elif name == "redis":
+                        s.redis_url = redis_url
+                    elif name == "lmcache":
+                        s.lmcache_url, s.kv_capacity = lm_url, 2 * payload + (64 << 20)
+                    seed = 1000 * rep + len(timings)
+                    timings.setdefault(name, []).append(
+                        bench_connector(s, lay, src, dst, args.tokens, seed)
+                    )
+                    if name == "fs":
+                        shutil.rmtree(s.kv_path or "", ignore_errors=True)
+            base_save = statistics.median(t[0] for t in timings["memcpy"])
+            base_load = statistics.median(t[1] for t in timings["memcpy"])
+            for name, ts in timings.items():
+                save, load = (
+                    statistics.median(t[0] for t in ts),
+                    statistics.median(t[1] for t in ts),
+                )
+                results["rows"].append(
+                    {
+                        "shape": shape_name,
+                        "backend": name,
+                        "blocks": blocks,
+                        "payload_bytes": payload,
+                        "block_bytes": lay.block_size * token_bytes,
+                        "save_s": save,
+                        "load_s": load,
+                        "save_gbps": payload / save / 1e9,
+                        "load_gbps": payload / load / 1e9,
+                        "roundtrip_gbps": 2 * payload / (save + load) / 1e9,
+                        "vs_memcpy_roundtrip": (base_save + base_load) / (save + load),
+                        "save_overhead_us_per_block": (save - base_save) / blocks * 1e6,
+                        "load_overhead_us_per_block": (load - base_load) / blocks * 1e6,
+                    }
+                )
+            del src, dst
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        for srv in servers:
+            srv.stop()
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| shape | backend | save GB/s | load GB/s | round trip GB/s | vs memcpy | save µs/block over memcpy | load µs/block over memcpy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['backend']} | {r['save_gbps']:.2f} | {r['load_gbps']:.2f} | "
+            f"{r['roundtrip_gbps']:.2f} | {100 * r['vs_memcpy_roundtrip']:.0f}% | "
+            f"{r['save_overhead_us_per_block']:.0f} | {r['load_overhead_us_per_block']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["fs", "redis", "lmcache"],
+        choices=["fs", "redis", "lmcache"],
+    )
+    p.add_argument(
+        "--tokens", type=int, default=2048, help="prompt length (default 2048 = 128 blocks)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="median of this many runs")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+    if args.tokens < 1 or args.repeats < 1:
+        p.error("--tokens and --repeats must be >= 1")
+    logging.basicConfig(level=logging.WARNING)
+    results = run(args)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+{{/* Chart name, truncated to the 63-character DNS label limit. */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Resource name prefix: "<release>-<chart>" unless the release name already has it.
+Truncated so that "-<component>" suffixes still fit 63 characters. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 42 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 42 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 42 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's objects: (dict "root" $ "component" "prefill"). */}}
+{{- define "pdserve.componentName" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .root) .component }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels: the minimal, immutable set. Never add version-like labels here:
+Deployment selectors cannot change, so an upgrade would fail. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of one component's objects. */}}
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+helm.sh/chart: {{ include "pdserve.chart" .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* ServiceAccount of a component: (dict "root" $ "component" "router"). */}}
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .root.Values.serviceAccount.create }}
+{{- include "pdserve.componentName" . }}
+{{- else }}
+{{- "default" }}
+{{- end }}
+{{- end }}
+
+{{/* Model directory as seen by the containers (--model). */}}
+{{- define "pdserve.modelPath" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.dir }}
+{{- end }}
+
+{{/* The volume that holds the model. */}}
+{{- define "pdserve.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source=pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source=hostPath" .Values.model.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.emptyDir.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* Init container that fills the emptyDir (pull/huggingface); nothing otherwise.
+(dict "root" $ "tokenizerOnly" bool): the router only needs tokenizer and config files. */}}
+{{- define "pdserve.modelInit" -}}
+{{- $v := .root.Values }}
+{{- if has $v.model.source (list "pull" "huggingface") }}
+- name: fetch-model
+  image: {{ include "pdserve.image" .root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- if eq $v.model.source "pull" }}
+  command: ["pdserve", "models", "pull", {{ $v.model.pull.name | quote }}, "--cache-dir", {{ $v.model.mountPath | quote }}{{ range $v.model.pull.extraArgs }}, {{ . | quote }}{{ end }}]
+  {{- else }}
+  command:
+    - hf
+    - download
+    - {{ required "model.huggingface.repo is required when model.source=huggingface" $v.model.huggingface.repo | quote }}
+    - --revision
+    - {{ $v.model.huggingface.revision | quote }}
+    - --local-dir
+    - {{ include "pdserve.modelPath" .root | quote }}
+    {{- if .tokenizerOnly }}
+    {{- range $v.model.huggingface.routerInclude }}
+    - --include
+    - {{ . | quote }}
+    {{- end }}
+    {{- end }}
+  {{- end }}
+  env:
+    - name: HOME
+      value: /tmp
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- if and (eq $v.model.source "huggingface") $v.model.huggingface.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $v.model.huggingface.tokenSecret.name }}
+          key: {{ $v.model.huggingface.tokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml $v.model.initResources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $v.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* KV store URL for redis/lmcache, in-chart or external. */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.connector.redis.url }}
+{{- .Values.connector.redis.url }}
+{{- else }}
+{{- printf "redis://%s:6379/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.lmcacheUrl" -}}
+{{- if .Values.connector.lmcache.url }}
+{{- .Values.connector.lmcache.url }}
+{{- else }}
+{{- printf "lm://%s:%d" (include "pdserve.componentName" (dict "root" . "component" "lmcache")) (int .Values.connector.lmcache.port) }}
+{{- end }}
+{{- end }}
+
+{{/* Claim name of the shared fs KV volume. */}}
+{{- define "pdserve.kvClaimName" -}}
+{{- default (include "pdserve.componentName" (dict "root" . "component" "kv")) .Values.connector.fs.existingClaim }}
+{{- end }}

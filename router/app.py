@@ -1,0 +1,228 @@
+"""The router's FastAPI app: ``create_app(settings, prefill_pool, decode_pool, ...)``.
+
+Tests build it in-process (httpx ASGI transport, or uvicorn on a free port); ``router.cli``
+builds it for ``pdserve router``. Everything lives on ``app.state`` — no module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.errors import APIError, error_body, install_error_handlers
+from router.estimator import AutoEstimator
+from router.handlers import Deps, handle_generation
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.pool import InstancePool
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.rpc import LegContext
+from router.settings import RouterSettings
+from router.tokenizer import PromptProcessor
+
+
+class GuardMiddleware:
+    """API keys (Bearer, 401) on ``/v1/*`` and the body-size limit (413), before parsing.
+
+    Checked ahead of FastAPI so that an unauthenticated or oversized request never reaches
+    JSON decoding or validation.
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int, metrics: RouterMetrics
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.api_keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        if (
+            self.api_keys
+            and path.startswith("/v1")
+            and not self._authorized(headers.get(b"authorization", b""))
+        ):
+            body = error_body(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
+            self.metrics.requests.labels("unauthorized").inc()
+            await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._too_large(send)
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH") and length is None:
+            # No length (chunked): read it bounded, then replay it.
+            chunks: list[bytes] = []
+            size = 0
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    await self._too_large(send)
+                    return
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            receive = _replay(b"".join(chunks), receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        return any(hmac.compare_digest(token.strip(), key) for key in self.api_keys)
+
+    async def _too_large(self, send: Send) -> None:
+        self.metrics.requests.labels("invalid").inc()
+        body = error_body(
+            f"request body exceeds the limit of {self.max_body_bytes} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+        await _send_json(send, 413, body, {})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any], extra: dict[str, str]) -> None:
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    headers += [(k.encode(), v.encode()) for k, v in extra.items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(
+    settings: RouterSettings,
+    prefill_pool: InstancePool,
+    decode_pool: InstancePool,
+    *,
+    processor: PromptProcessor,
+    metrics: RouterMetrics | None = None,
+    estimator: AutoEstimator | None = None,
+) -> FastAPI:
+    """Build the app. The pools start (discovery + health checks) with the app's lifespan
+    and stop with it; pass pools built with the same ``metrics`` to get their gauges."""
+    metrics = metrics or prefill_pool.metrics or RouterMetrics()
+    leg = LegContext(
+        prefill_pool=prefill_pool,
+        decode_pool=decode_pool,
+        metrics=metrics,
+        prefill_timeout=settings.prefill_timeout,
+        prefill_retries=settings.prefill_retries,
+        decode_failovers=settings.decode_failovers,
+        shape=processor.shape,
+        block_size=processor.block_size,
+        estimator=estimator or AutoEstimator(),
+    )
+    deps = Deps(settings, processor, Orchestrator(leg, settings.mode), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await prefill_pool.start()
+        await decode_pool.start()
+        try:
+            yield
+        finally:
+            await prefill_pool.stop()
+            await decode_pool.stop()
+            for task in list(leg.background):
+                task.cancel()
+
+    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    app.state.deps = deps
+    install_error_handlers(app, on_invalid=metrics.requests.labels("invalid").inc)
+    app.add_middleware(
+        GuardMiddleware,
+        api_keys=settings.api_keys,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+    )
+    _add_routes(app, deps)
+    return app
+
+
+def _add_routes(app: FastAPI, deps: Deps) -> None:
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": deps.processor.shape.max_model_len,
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handle_generation(request, deps, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handle_generation(request, deps, body)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [model_card(name) for name in deps.settings.served_model_names],
+        }
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if model not in deps.settings.served_model_names:
+            raise APIError(
+                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+            )
+        return model_card(model)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        orch = deps.orchestrator
+        ready = orch.ready()
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "mode": orch.mode,
+            "prefill": orch.prefill_pool.status(),
+            "decode": orch.decode_pool.status(),
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        payload, content_type = deps.metrics.exposition()
+        return Response(payload, media_type=content_type)

@@ -1,0 +1,139 @@
+"""The prefill leg (DESIGN §1 steps 2–4): ``Prefill`` on a policy-chosen instance with a
+deadline; a failed or timed-out call is retried on another instance (bounded).
+
+:func:`prefill_events` yields the first token once, then the committed ``KvHandle`` — or
+None when no instance could commit it after the first token was already sent (decode then
+computes the prompt itself, counted in ``pdserve_kv_load_fallbacks_total``). When the
+consumer leaves early (client gone, or the first token ended the request) the call is
+cancelled and ``Abort`` sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import pdserve_pb2
+from router.errors import APIError
+from router.policies import RouteContext
+from router.rpc import (
+    LegContext,
+    StreamBroken,
+    deadline_for,
+    describe,
+    fatal_error,
+    logprobs_of,
+    sampling_proto,
+)
+from router.trace import Job, TokenLogprob, Trace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillFirst:
+    token_id: int
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str
+
+
+async def prefill_events(
+    leg: LegContext, job: Job, trace: Trace
+) -> AsyncGenerator[PrefillFirst | pdserve_pb2.KvHandle | None, None]:
+    """Yield the first token (once), then the KvHandle, or None if it could not be committed."""
+    ctx = RouteContext(job.block_hashes, job.user)
+    request = pdserve_pb2.PrefillRequest(
+        request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=sampling_proto(job, 0)
+    )
+    tried: set[str] = set()
+    first_sent = False
+    last_error = "no attempt"
+    for attempt in range(leg.prefill_retries + 1):
+        inst = leg.prefill_pool.select(ctx, exclude=tried)
+        if inst is None:
+            break
+        if attempt:
+            leg.metrics.prefill_retries.inc()
+        tried.add(inst.url)
+        trace.prefill_instance = inst.url
+        call = inst.stub.Prefill(request, timeout=deadline_for(job, leg.prefill_timeout))
+        done = False
+        inst.inflight += 1
+        try:
+            async for event in call:
+                _record_prefill_timings(leg, job, trace, event)
+                if event.HasField("first_token") and not first_sent:
+                    first_sent = True
+                    ft = event.first_token
+                    trace.cached_tokens = ft.num_cached_tokens
+                    lps = logprobs_of([ft.logprob]) if ft.HasField("logprob") else None
+                    yield PrefillFirst(ft.token_id, ft.text, lps, ft.finished, ft.finish_reason)
+                elif event.HasField("kv_committed"):
+                    done = True
+                    yield event.kv_committed
+                    return
+            raise StreamBroken("prefill stream ended before the KV was committed")
+        except (grpc.aio.AioRpcError, StreamBroken) as exc:
+            done = True
+            fatal = (
+                fatal_error(exc, f"prefill instance {inst.url}")
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else None
+            )
+            if fatal is not None:
+                raise fatal from exc
+            last_error = describe(exc)
+            logger.warning(
+                "prefill %s on %s failed (%s); attempt %d",
+                job.request_id,
+                inst.url,
+                last_error,
+                attempt + 1,
+            )
+            leg.prefill_pool.mark_failed(inst, last_error)
+        finally:
+            inst.inflight -= 1
+            if not done:  # consumer left (client gone, or the first token ended the request)
+                call.cancel()
+                leg.abort_later(inst, job.request_id)
+    if not first_sent:
+        raise _exhausted(len(tried), last_error)
+    leg.metrics.kv_load_fallbacks.labels("prefill_lost").inc()
+    yield None
+
+
+def _exhausted(attempts: int, last_error: str) -> APIError:
+    if not attempts:
+        return APIError(
+            503, "no healthy prefill instance is available; retry later", code="prefill_unavailable"
+        )
+    return APIError(
+        503,
+        f"prefill failed on {attempts} instance(s); last error: {last_error}",
+        code="prefill_failed",
+    )
+
+
+def _record_prefill_timings(leg: LegContext, job: Job, trace: Trace, event: Any) -> None:
+    if not event.HasField("timings"):
+        return
+    t = event.timings
+    if event.HasField("first_token"):
+        trace.phase("prefill_queue", t.queue_s)
+        trace.phase("prefill_compute", t.compute_s)
+        computed = len(job.prompt_ids) - event.first_token.num_cached_tokens
+        leg.estimator.observe_prefill(computed, t.compute_s)
+    if event.HasField("kv_committed"):
+        trace.phase("kv_save", t.kv_save_s)
+        handle = event.kv_committed
+        leg.kv_dtype = handle.dtype or leg.kv_dtype
+        # Upper bound: the prefill skips blocks the store already held.
+        nbytes = handle.num_tokens * leg.shape.kv_bytes_per_token(handle.dtype)
+        leg.metrics.kv_bytes.labels(handle.connector or "unknown", "save").inc(nbytes)
+        leg.estimator.observe_transfer(nbytes, t.kv_save_s)

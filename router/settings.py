@@ -1,0 +1,47 @@
+"""The router's settings (built from flags / ``PDSERVE_*`` env by ``router.cli``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    """Everything the app needs besides its pools and tokenizer.
+
+    ``served_model_names``: names clients may pass as ``model`` (the first is reported).
+    ``api_keys``: empty = no authentication. ``max_prompt_tokens`` None = the model's
+    context length. ``max_concurrent_requests`` 0 = unlimited (else 429 beyond it).
+    """
+
+    served_model_names: list[str]
+    mode: str = "disaggregated"
+    api_keys: list[str] = field(default_factory=list)
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float = 600.0
+    prefill_timeout: float = 60.0
+    prefill_retries: int = 2
+    decode_failovers: int = 3
+    max_concurrent_requests: int = 0
+    max_batch_prompts: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("at least one non-empty served model name is required")
+        if self.mode not in ("disaggregated", "colocated", "auto"):
+            raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        if self.request_timeout <= 0 or self.prefill_timeout <= 0:
+            raise ValueError("request_timeout and prefill_timeout must be > 0")
+        if (
+            self.prefill_retries < 0
+            or self.decode_failovers < 0
+            or self.max_concurrent_requests < 0
+        ):
+            raise ValueError(
+                "prefill_retries, decode_failovers and max_concurrent_requests must be >= 0"
+            )

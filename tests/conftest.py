@@ -1,0 +1,58 @@
+"""Shared pytest fixtures. Servers are real processes on free 127.0.0.1 ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import ManagedServer, start_lmcache, start_redis
+
+# Model fixtures (tiny random models, SmolLM2) live in their own module.
+pytest_plugins = ["tests.model_fixtures"]
+
+# -- KV stores (kv_store tests, engine/service integration) -----------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_proc() -> Iterator[ManagedServer]:
+    """A session-wide ``redis-server``; ``.stop()`` / ``.restart()`` for fault tests."""
+    srv, _ = start_redis()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def redis_server(redis_proc: ManagedServer) -> str:
+    """URL of the session Redis (restarted if a test left it down), flushed for each test."""
+    if redis_proc.proc is None or redis_proc.proc.poll() is not None:
+        redis_proc.start()
+    import redis as redis_py
+
+    client = redis_py.Redis(host="127.0.0.1", port=redis_proc.port, socket_timeout=5)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return f"redis://127.0.0.1:{redis_proc.port}"
+
+
+@pytest.fixture(scope="session")
+def lmcache_proc() -> Iterator[ManagedServer]:
+    """A session-wide ``lmcache_server``. It cannot be flushed: tests isolate themselves
+    with a fresh model fingerprint (LMCache keys include it)."""
+    srv, _ = start_lmcache()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def lmcache_server(lmcache_proc: ManagedServer) -> str:
+    """``lm://`` URL of the session ``lmcache_server`` (restarted if a test left it down)."""
+    if lmcache_proc.proc is None or lmcache_proc.proc.poll() is not None:
+        lmcache_proc.start()
+    return f"lm://127.0.0.1:{lmcache_proc.port}"

@@ -1,0 +1,53 @@
+"""Helpers for the router's end-to-end tests: metric scraping and gRPC load probes."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """All samples of a /metrics page: (name, sorted labels) → value."""
+    with urllib.request.urlopen(url, timeout=10) as reply:  # noqa: S310 - loopback
+        text = reply.read().decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for (sample, sample_labels), value in scrape(url).items():
+        if sample == name and set(labels.items()) <= set(sample_labels):
+            total += value
+    return total
+
+
+def running_requests(address: str, role: str) -> int:
+    """``waiting + running`` of a prefill/decode instance, from its GetLoad."""
+    with grpc.insecure_channel(address) as channel:
+        stub_cls = (
+            pdserve_pb2_grpc.DecodeServiceStub
+            if role == "decode"
+            else pdserve_pb2_grpc.PrefillServiceStub
+        )
+        info = stub_cls(channel).GetLoad(pdserve_pb2.GetLoadRequest(), timeout=5)
+    return int(info.waiting + info.running)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)

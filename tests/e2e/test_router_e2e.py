@@ -1,0 +1,362 @@
+"""The router end to end: real prefill + decode processes, the router process, the official
+``openai`` client. Tiny random Llama (SmolLM2 tokenizer), fs KV store, few tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from router.tokenizer import PromptProcessor
+from tests.e2e.router_support import metric, running_requests, wait_for
+from tests.service_fixtures import ProcessStack, ServiceProcess
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@dataclass
+class Stack:
+    prefill: ServiceProcess
+    decode: ServiceProcess
+    disagg: ServiceProcess
+    colocated: ServiceProcess
+    auto: ServiceProcess
+    model_dir: Path
+
+    def client(self, router: ServiceProcess | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{(router or self.disagg).url}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=120,
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("router_e2e")
+    kv = root / "kv"
+    kv.mkdir()
+    procs = ProcessStack(root / "logs", tiny_model_dir)
+    conn = ("--connector", "fs", "--kv-path", str(kv))
+    try:
+        prefill = procs.service("prefill", connector_args=conn)
+        decode = procs.service("decode", connector_args=conn)
+        common = [
+            "--health-interval",
+            "0.5",
+            "--served-model-name",
+            "tiny",
+            "--max-prompt-tokens",
+            "256",
+        ]
+        disagg = procs.router(prefill=[prefill], decode=[decode], extra_args=common)
+        colocated = procs.router(prefill=[], decode=[decode], mode="colocated", extra_args=common)
+        auto = procs.router(prefill=[prefill], decode=[decode], mode="auto", extra_args=common)
+        yield Stack(prefill, decode, disagg, colocated, auto, tiny_model_dir)
+    finally:
+        procs.close()
+
+
+def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
+    args: dict[str, object] = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
+    args.update(kwargs)
+    return client.completions.create(**args)  # type: ignore[call-overload, no-any-return]
+
+
+def test_completion_and_usage(stack: Stack) -> None:
+    proc = PromptProcessor.from_model_dir(stack.model_dir)
+    out = complete(
+        stack.client(), max_tokens=10, extra_body={"ignore_eos": True, "pdserve_timings": True}
+    )
+    assert out.object == "text_completion" and out.model == "tiny"
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].text
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(proc.encode(PROMPT))
+    assert out.usage.completion_tokens == 10
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 10
+    timings = out.usage.model_extra["pdserve_timings"]  # type: ignore[index]
+    assert timings["ttft"] > 0 and timings["e2e"] >= timings["ttft"]
+    assert timings["prefill_compute"] > 0
+
+
+def test_chat_stream_matches_non_stream(stack: Stack) -> None:
+    client = stack.client()
+    messages = [{"role": "user", "content": "Tell me about foxes."}]
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # type: ignore[arg-type]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
+    assert whole.usage is not None and whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+
+
+def test_stop_string(stack: Stack) -> None:
+    client = stack.client()
+    full = complete(client, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    out = complete(client, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+    streamed = "".join(
+        c.choices[0].text
+        for c in complete(
+            client, max_tokens=24, stop=stop, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert streamed == out.text
+
+
+def test_seeded_sampling_is_reproducible_and_choices_differ(stack: Stack) -> None:
+    client = stack.client()
+    kwargs = {
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "seed": 1234,
+        "n": 3,
+        "max_tokens": 12,
+        "extra_body": {"ignore_eos": True},
+    }
+    a = [c.text for c in sorted(complete(client, **kwargs).choices, key=lambda c: c.index)]
+    b = [c.text for c in sorted(complete(client, **kwargs).choices, key=lambda c: c.index)]
+    assert a == b
+    assert len(set(a)) == 3, a
+    other = [c.text for c in complete(client, **{**kwargs, "seed": 99}).choices]
+    assert other != a
+    # Streaming n=3 yields the same choices, interleaved by index.
+    streamed: dict[int, str] = {}
+    for chunk in complete(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == a
+
+
+def test_greedy_parity_disaggregated_colocated_offline(stack: Stack) -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3, 4,"]
+    disagg = [
+        complete(
+            stack.client(), prompt=p, max_tokens=16, logprobs=0, extra_body={"ignore_eos": True}
+        ).choices[0]
+        for p in prompts
+    ]
+    coloc = [
+        complete(
+            stack.client(stack.colocated),
+            prompt=p,
+            max_tokens=16,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0]
+        for p in prompts
+    ]
+    llm = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4)
+    offline = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    proc = PromptProcessor.from_model_dir(stack.model_dir)
+    for d, c, o in zip(disagg, coloc, offline, strict=True):
+        assert d.logprobs is not None and c.logprobs is not None
+        expected_tokens = [proc.token_text(t) for t in o.token_ids]
+        assert d.logprobs.tokens == expected_tokens
+        assert c.logprobs.tokens == expected_tokens
+        assert d.text == c.text == o.text
+
+
+def test_logprobs_shapes(stack: Stack) -> None:
+    out = complete(
+        stack.client(), max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert out.logprobs is not None and out.logprobs.top_logprobs is not None
+    assert len(out.logprobs.tokens or []) == 4
+    assert all(len(top) == 2 for top in out.logprobs.top_logprobs)
+    assert all(lp is not None and lp <= 0 for lp in out.logprobs.token_logprobs or [])
+    chat = stack.client().chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_first_token_can_finish_without_decode(stack: Stack) -> None:
+    url = stack.decode.metrics_url
+    before = metric(url, "pdserve_service_requests_total", rpc="Decode")
+    out = complete(stack.client(), max_tokens=1)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 1
+    assert metric(url, "pdserve_service_requests_total", rpc="Decode") == before
+
+
+def test_concurrent_streams(stack: Stack) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"{i} {PROMPT}",
+            max_tokens=8,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        tokens = 0
+        async for chunk in stream:
+            tokens += len(chunk.choices[0].text) > 0 if chunk.choices else 0
+        return tokens
+
+    async def main() -> list[int | BaseException]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{stack.disagg.url}/v1", api_key="x", max_retries=0, timeout=120
+        )
+        try:
+            return await asyncio.gather(
+                *(one(client, i) for i in range(32)), return_exceptions=True
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(isinstance(r, int) and r > 0 for r in results)
+
+
+def test_bad_input_through_openai_client(stack: Stack) -> None:
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        complete(client, model="gpt-4o")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="limit is 256"):
+        complete(client, prompt="word " * 400)
+    with pytest.raises(openai.BadRequestError):
+        complete(client, temperature="warm")
+    bad_json = httpx.post(
+        f"{stack.disagg.url}/v1/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert (
+        bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    )
+    # Still healthy and serving.
+    assert httpx.get(f"{stack.disagg.url}/health", timeout=10).status_code == 200
+    assert complete(client, max_tokens=2).choices[0].text
+
+
+def test_client_disconnect_aborts_decode(stack: Stack) -> None:
+    url = stack.decode.metrics_url
+    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 1800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{stack.disagg.url}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break  # leave mid-stream: closing the response drops the connection
+    wait_for(
+        lambda: (
+            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+            > cancelled
+        ),
+        30,
+        "decode to see the cancellation",
+    )
+    wait_for(
+        lambda: running_requests(stack.decode.address, "decode") == 0,
+        30,
+        "decode to free the request",
+    )
+    assert metric(f"{stack.disagg.url}/metrics", "pdserve_requests_total", outcome="cancelled") >= 1
+
+
+def test_router_metrics_after_traffic(stack: Stack) -> None:
+    complete(stack.client(), max_tokens=4, stream=True)
+    url = f"{stack.disagg.url}/metrics"
+    assert metric(url, "pdserve_ttft_seconds_count") > 0
+    assert metric(url, "pdserve_itl_seconds_count") > 0
+    assert metric(url, "pdserve_e2e_seconds_count") > 0
+    assert metric(url, "pdserve_requests_total", outcome="success") > 0
+    assert metric(url, "pdserve_disagg_decisions_total", decision="remote_prefill") > 0
+    assert metric(url, "pdserve_disagg_decisions_total", decision="local_prefill") == 0
+    for phase in ("router_queue", "prefill_compute", "kv_save", "kv_load"):
+        assert metric(url, "pdserve_phase_seconds_count", phase=phase) > 0, phase
+    assert metric(url, "pdserve_kv_bytes_total", connector="fs", direction="save") > 0
+    assert metric(url, "pdserve_kv_bytes_total", connector="fs", direction="load") > 0
+    assert (
+        metric(url, "pdserve_instance_healthy", pool="decode", instance=stack.decode.address) == 1.0
+    )
+    assert (
+        metric(url, "pdserve_instance_healthy", pool="prefill", instance=stack.prefill.address)
+        == 1.0
+    )
+    # Colocated mode never prefills remotely.
+    complete(stack.client(stack.colocated), max_tokens=2)
+    coloc = f"{stack.colocated.url}/metrics"
+    assert metric(coloc, "pdserve_disagg_decisions_total", decision="local_prefill") > 0
+    assert metric(coloc, "pdserve_disagg_decisions_total", decision="remote_prefill") == 0
+
+
+def test_auto_mode_decides_per_request(stack: Stack) -> None:
+    client = stack.client(stack.auto)
+    texts = {
+        complete(client, prompt=p, max_tokens=6).choices[0].text for p in [PROMPT, "word " * 200]
+    }
+    assert all(texts)
+    url = f"{stack.auto.url}/metrics"
+    decided = metric(url, "pdserve_disagg_decisions_total")
+    assert decided == metric(url, "pdserve_requests_total", outcome="success") >= 2

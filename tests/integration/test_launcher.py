@@ -1,0 +1,211 @@
+"""`pdserve up` as a real process tree: ready, serves over HTTP, leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.launcher import free_ports
+from tests.service_fixtures import REPO, child_env
+
+READY_TIMEOUT_S = 300.0
+SMALL = ("--kv-cache-memory", "32M", "--max-num-seqs", "8", "--torch-threads", "1")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (through /proc; children may be in other groups)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the comm field may contain spaces: ppid is the 2nd field after the closing ')'
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class UpProcess:
+    """`python -m pdserve up ...` in its own session, output captured to a file."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.out_path = tmp_path / "up.out"
+        self.err_path = tmp_path / "up.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve", "up", *args],
+                cwd=REPO,
+                env=child_env(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace") + self.err_path.read_text(errors="replace")
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.output():
+            status = self.proc.poll()
+            assert status is None, (
+                f"pdserve up exited ({status}) before {needle!r}:\n{self.output()}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no {needle!r} within {timeout} s:\n{self.output()}"
+            )
+            time.sleep(0.2)
+
+    def kill_tree(self) -> None:
+        """Test cleanup only: SIGKILL anything still running."""
+        for pid in descendants(self.proc.pid) | {self.proc.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def test_up_serves_a_completion_and_leaves_no_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import openai
+
+    (port,) = free_ports(1)
+    up = UpProcess(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), *SMALL)
+    try:
+        up.wait_for("pdserve is ready", READY_TIMEOUT_S)
+        children = descendants(up.proc.pid)
+        assert len(children) >= 3, f"expected router + prefill + decode, got {children}"
+        workdir = re.search(r"logs in (\S+)/logs", up.output())
+        assert workdir, up.output()
+
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+        )
+        reply = client.completions.create(
+            model=str(tiny_model_dir),
+            prompt="The capital of France is",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 5
+        assert reply.choices[0].finish_reason == "length" and reply.choices[0].text
+
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=90) == 0, up.output()
+        deadline = time.monotonic() + 10  # reparented orphans would show up here
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "children outlived pdserve up"
+        assert not Path(workdir.group(1)).exists(), "the temporary KV/log directory was not removed"
+    finally:
+        up.kill_tree()
+
+
+def test_up_names_a_child_that_dies_at_startup(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The engines read PDSERVE_ATTENTION_BACKEND (an env twin); a bad value kills them."""
+    (port,) = free_ports(1)
+    bad = {"PDSERVE_ATTENTION_BACKEND": "no-such-backend"}
+    up = UpProcess(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), *SMALL, env=bad)
+    try:
+        status = up.proc.wait(timeout=READY_TIMEOUT_S)
+        out = up.output()
+        assert status == 1, out
+        assert re.search(r"(prefill|decode)-0 exited with status 2 during startup", out), out
+        assert "no-such-backend" in out, "the log tail with the cause is missing"
+        assert "pdserve is ready" not in out
+        assert not descendants(up.proc.pid)
+    finally:
+        up.kill_tree()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--mode", "disaggregated", "--prefill", "0"), "needs --prefill >= 1"),
+        (("--mode", "colocated", "--prefill", "1"), "--prefill 0"),
+        (("--decode", "0"), "--decode"),
+    ],
+)
+def test_up_rejects_impossible_layouts(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert needle in result.stderr
+
+
+def test_up_colocated_replicas(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`--mode colocated --prefill 0 --decode 2`: two decode replicas, no prefill, no store."""
+    import openai
+
+    (port,) = free_ports(1)
+    args = (
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--mode",
+        "colocated",
+        "--prefill",
+        "0",
+        "--decode",
+        "2",
+    )
+    up = UpProcess(tmp_path, *args, *SMALL)
+    try:
+        up.wait_for("pdserve is ready", READY_TIMEOUT_S)
+        logs = Path(re.search(r"logs in (\S+)", up.output()).group(1))  # type: ignore[union-attr]
+        assert sorted(p.name for p in logs.iterdir()) == [
+            "decode-0.log",
+            "decode-1.log",
+            "router.log",
+        ]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
+        )
+        texts = {
+            client.completions.create(
+                model=str(tiny_model_dir),
+                prompt="Hello",
+                max_tokens=4,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for _ in range(3)
+        }
+        assert len(texts) == 1 and texts.pop(), "greedy replies differ between replicas"
+        up.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert up.proc.wait(timeout=90) == 0, up.output()
+        assert not descendants(up.proc.pid)
+    finally:
+        up.kill_tree()

@@ -1,0 +1,69 @@
+"""Graceful drain on SIGTERM, against a real decode service process.
+
+Health goes SERVING → NOT_SERVING, new requests get UNAVAILABLE, the stream already in
+flight completes with every token, and the process then exits 0 on its own.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.service_fixtures import ProcessStack
+
+pytest_plugins = ["tests.service_fixtures"]
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _status(stub: health_pb2_grpc.HealthStub, service: str = "") -> int:
+    return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status)
+
+
+def test_sigterm_drains_in_flight_stream_and_refuses_new(process_stack: ProcessStack) -> None:
+    svc = process_stack.service("decode", extra_args=("--drain-grace", "60"))
+    max_tokens = 300
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(svc.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        decode = pb_grpc.DecodeServiceStub(channel)
+        assert _status(health) == SERVING
+        assert _status(health, "pdserve.v1.DecodeService") == SERVING
+
+        call = decode.Decode(
+            pb.DecodeRequest(request_id="inflight", prompt_token_ids=[5, 6, 7, 8], params=params),
+            timeout=120,
+        )
+        stream = iter(call)
+        received = list(next(stream).token_ids)
+        svc.signal(signal.SIGTERM)
+
+        deadline = time.monotonic() + 20
+        while _status(health) != NOT_SERVING:
+            assert time.monotonic() < deadline, "health never turned NOT_SERVING after SIGTERM"
+            time.sleep(0.05)
+        assert _status(health, "pdserve.v1.DecodeService") == NOT_SERVING
+        load = decode.GetLoad(pb.GetLoadRequest(), timeout=10)
+        assert load.draining
+
+        try:
+            list(
+                decode.Decode(pb.DecodeRequest(prompt_token_ids=[5, 6], params=params), timeout=10)
+            )
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in exc.details()
+        else:
+            raise AssertionError("a new request was accepted while draining")
+
+        chunks = list(stream)
+        received += [t for c in chunks for t in c.token_ids]
+        assert len(received) == max_tokens
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert svc.proc.wait(timeout=60) == 0, svc.log_tail()

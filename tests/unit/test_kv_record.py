@@ -1,0 +1,119 @@
+"""The KV record codec and key format (DESIGN §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_store.base import KvLayout, KVRecordError
+from kv_store.keys import block_key
+from kv_store.record import (
+    HEADER_SIZE,
+    RecordChecksumError,
+    RecordLayoutError,
+    decode_block,
+    encode_block,
+    record_size,
+)
+
+LAYOUT = KvLayout(
+    version=1, dtype="float32", block_size=16, num_layers=3, num_kv_heads=2, head_dim=4
+)
+
+
+def cache(dtype: torch.dtype = torch.float32, blocks: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, 2, blocks, 16, 2, 4, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_full_block(dtype: str) -> None:
+    lay = KvLayout(1, dtype, 16, 3, 2, 4)
+    kv = cache(getattr(torch, dtype))
+    rec = encode_block(kv[:, :, 2], lay)
+    assert len(rec) == record_size(lay, 16) == HEADER_SIZE + kv[:, :, 2].numel() * kv.element_size()
+    out = decode_block(bytes(rec), lay, expected_tokens=16)
+    assert out.dtype == kv.dtype and out.shape == (3, 2, 16, 2, 4)
+    bits = torch.int32 if dtype == "float32" else torch.int16  # bitwise, not numeric, equality
+    assert torch.equal(out.contiguous().view(bits), kv[:, :, 2].contiguous().view(bits))
+
+
+def test_round_trip_is_bit_exact_for_nan_and_negative_zero() -> None:
+    kv = cache()
+    kv[0, 0, 1, 0, 0, 0] = float("nan")
+    kv[0, 1, 1, 0, 0, 1] = -0.0
+    out = decode_block(encode_block(kv[:, :, 1], LAYOUT), LAYOUT)
+    assert torch.equal(out.view(torch.int32), kv[:, :, 1].contiguous().view(torch.int32))
+
+
+def test_partial_block_stores_only_its_tokens() -> None:
+    kv = cache()
+    rec = encode_block(kv[:, :, 3, :5], LAYOUT)
+    assert len(rec) == record_size(LAYOUT, 5) < record_size(LAYOUT, 16)
+    out = decode_block(rec, LAYOUT, expected_tokens=5)
+    assert torch.equal(out, kv[:, :, 3, :5])
+    with pytest.raises(RecordLayoutError, match="holds 5 tokens, expected 16"):
+        decode_block(rec, LAYOUT, expected_tokens=16)
+
+
+@pytest.mark.parametrize("where", [HEADER_SIZE + 7, HEADER_SIZE - 1, -1])
+def test_any_flipped_byte_is_detected(where: int) -> None:
+    rec = encode_block(cache()[:, :, 0], LAYOUT)
+    rec[where] ^= 0x01
+    with pytest.raises(RecordChecksumError, match="checksum"):
+        decode_block(rec, LAYOUT)
+
+
+def test_header_field_corruption_is_detected() -> None:
+    rec = encode_block(cache()[:, :, 0], LAYOUT)
+    bad = bytearray(rec)
+    bad[0:4] = b"XXXX"
+    with pytest.raises(KVRecordError, match="bad magic"):
+        decode_block(bad, LAYOUT)
+    bad = bytearray(rec)
+    bad[4] = 9  # record version
+    with pytest.raises(KVRecordError, match="version 9"):
+        decode_block(bad, LAYOUT)
+    with pytest.raises(KVRecordError, match="too short"):
+        decode_block(rec[:10], LAYOUT)
+    with pytest.raises(KVRecordError, match="length"):
+        decode_block(rec[:-4], LAYOUT)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        KvLayout(1, "bfloat16", 16, 3, 2, 4),
+        KvLayout(2, "float32", 16, 3, 2, 4),
+        KvLayout(1, "float32", 16, 4, 2, 4),
+        KvLayout(1, "float32", 16, 3, 1, 4),
+        KvLayout(1, "float32", 16, 3, 2, 8),
+    ],
+)
+def test_wrong_layout_is_refused(other: KvLayout) -> None:
+    rec = encode_block(cache()[:, :, 0], LAYOUT)
+    with pytest.raises(RecordLayoutError, match="layout mismatch"):
+        decode_block(rec, other)
+
+
+def test_encode_rejects_mismatched_tensor() -> None:
+    kv = cache()
+    with pytest.raises(ValueError, match="dtype"):
+        encode_block(kv[:, :, 0].to(torch.float16), LAYOUT)
+    with pytest.raises(ValueError, match="shape"):
+        encode_block(kv[:2, :, 0], LAYOUT)
+    with pytest.raises(ValueError, match="5-D"):
+        encode_block(kv[:, :, 0, 0], LAYOUT)
+    with pytest.raises(ValueError, match="unsupported"):
+        encode_block(kv[:, :, 0], KvLayout(1, "int8", 16, 3, 2, 4))
+
+
+def test_block_key_format() -> None:
+    h = bytes(range(32))
+    assert block_key("abc123", h) == "pdserve/abc123/" + h.hex()
+    with pytest.raises(ValueError):
+        block_key("", h)
+    with pytest.raises(ValueError):
+        block_key("a/b", h)
+    with pytest.raises(ValueError):
+        block_key("abc", b"")

@@ -1,0 +1,145 @@
+"""The pure half of `pdserve tune`: grid, resumable results file, best choice, Helm values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.bench.metrics import Slo
+from pdserve.tune_grid import (
+    GridPoint,
+    ResultsFile,
+    bench_fingerprint,
+    best_row,
+    build_grid,
+    helm_values,
+    parse_ratios,
+    point_row,
+    splits,
+)
+from pdserve.tune_report import render
+
+
+def test_grid_two_instances() -> None:
+    grid = build_grid(2, ["colocated", "disaggregated"])
+    assert grid == [GridPoint("colocated", 0, 2), GridPoint("disaggregated", 1, 1)]
+    assert grid[0].up_args() == ["--mode", "colocated", "--prefill", "0", "--decode", "2"]
+
+
+def test_grid_product_of_knobs() -> None:
+    grid = build_grid(4, ["disaggregated", "auto"], None, [8, 32], [512])
+    shapes = {(p.mode, p.prefill, p.decode) for p in grid}
+    assert shapes == {(m, p, 4 - p) for m in ("disaggregated", "auto") for p in (1, 2, 3)}
+    assert len(grid) == 2 * 3 * 2
+    assert {p.max_num_seqs for p in grid} == {8, 32}
+    assert len({p.key for p in grid}) == len(grid)
+    assert grid[0].up_args()[-4:] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+
+
+def test_ratios() -> None:
+    assert parse_ratios("1:1, 1:3") == [(1, 1), (1, 3)]
+    assert splits(8, [(1, 1), (1, 3)]) == [(4, 4), (2, 6)]
+    assert splits(3, None) == [(1, 2), (2, 1)]
+    with pytest.raises(ValueError, match="does not split"):
+        splits(3, [(1, 1)])
+    for bad in ("1", "a:b", "0:1", "1:0"):
+        with pytest.raises(ValueError, match="bad ratio"):
+            parse_ratios(bad)
+
+
+def test_grid_errors() -> None:
+    with pytest.raises(ValueError, match="unknown mode"):
+        build_grid(2, ["split"])
+    with pytest.raises(ValueError, match="empty grid"):
+        build_grid(1, ["disaggregated"])
+    with pytest.raises(ValueError, match="instances"):
+        build_grid(0, ["colocated"])
+    assert build_grid(1, ["colocated"]) == [GridPoint("colocated", 0, 1)]
+
+
+def summary(goodput: float, rps: float) -> dict[str, object]:
+    stats = {"mean": 1.0, "p50": 1.0, "p90": 2.0, "p99": 3.0, "count": 4}
+    return {
+        "goodput": goodput,
+        "request_throughput": rps,
+        "output_throughput": rps * 10,
+        "failed": 0,
+        "ttft_ms": stats,
+        "itl_ms": stats,
+        "tpot_ms": stats,
+        "e2e_ms": stats,
+    }
+
+
+def test_results_file_resume(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "results.jsonl"
+    a, b = GridPoint("colocated", 0, 2), GridPoint("disaggregated", 1, 1)
+    results = ResultsFile(path, "fp1")
+    results.append(point_row(a, 1.0, "ok", summary=summary(0.5, 0.9)))
+    results.append(point_row(b, 1.0, "launch_failed", error="boom"))
+    ResultsFile(path, "other-workload").append(point_row(b, 2.0, "ok", summary=summary(9, 9)))
+    with path.open("a") as fh:
+        fh.write('{"key": "torn')  # a tune killed mid-write
+    done = results.load()
+    assert set(done) == {(a.key, 1.0)}  # failed and foreign lines are not "finished"
+    assert results.load_latest()[(b.key, 1.0)]["status"] == "launch_failed"
+    # a retry that succeeds supersedes the failure
+    with path.open("a") as fh:
+        fh.write("\n")
+    results.append(point_row(b, 1.0, "ok", summary=summary(0.7, 0.8)))
+    assert set(results.load()) == {(a.key, 1.0), (b.key, 1.0)}
+    lines = [json.loads(x) for x in path.read_text().splitlines()[:2]]
+    assert all(x["fingerprint"] == "fp1" for x in lines)
+
+
+def test_fingerprint_depends_on_settings() -> None:
+    base = {"workload": {"input_len": "64"}, "slo": {"e2e_ms": 500}}
+    assert bench_fingerprint(base) == bench_fingerprint(dict(reversed(list(base.items()))))
+    assert bench_fingerprint(base) != bench_fingerprint({**base, "slo": {"e2e_ms": 400}})
+
+
+def test_best_row_by_goodput_then_throughput() -> None:
+    a, b = GridPoint("colocated", 0, 2), GridPoint("disaggregated", 1, 1)
+    rows = [
+        point_row(a, 1.0, "ok", summary=summary(0.8, 1.0)),
+        point_row(b, 1.0, "ok", summary=summary(0.8, 1.2)),
+        point_row(b, 2.0, "ok", summary=summary(0.3, 1.9)),
+        point_row(a, 2.0, "launch_failed", error="x"),
+    ]
+    assert best_row(rows) is rows[1]
+    assert best_row(rows[3:]) is None
+
+
+def test_helm_values_keys() -> None:
+    values = yaml.safe_load(helm_values(GridPoint("disaggregated", 1, 3, 16, 1024)))
+    assert values == {
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 3},
+        "router": {"mode": "disaggregated"},
+        "engine": {"maxNumSeqs": 16, "maxNumBatchedTokens": 1024},
+    }
+    # engine knobs left at their defaults: no `engine:` key (a null would wipe the chart's)
+    values = yaml.safe_load(helm_values(GridPoint("colocated", 0, 2)))
+    assert values == {
+        "prefill": {"replicas": 0},
+        "decode": {"replicas": 2},
+        "router": {"mode": "colocated"},
+    }
+
+
+def test_report_lists_best_and_failures() -> None:
+    a, b = GridPoint("colocated", 0, 2), GridPoint("disaggregated", 1, 1, 8)
+    rows = [
+        point_row(a, 1.0, "ok", summary=summary(0.4, 1.0)),
+        point_row(b, 1.0, "ok", summary=summary(0.9, 1.0)),
+        point_row(a, 4.0, "launch_failed", error="pdserve up exited\nmore"),
+    ]
+    report = render(rows, Slo(e2e_ms=500), "pdserve tune ...")
+    assert report.best is rows[1]
+    assert "| **1P+1D disagg seqs=8** | 1 | 0.900 |" in report.text
+    assert "2x colocated @ 4 req/s: launch_failed: pdserve up exited" in report.text
+    assert "E2E <= 500 ms" in report.text
+    assert "maxNumSeqs: 8" in report.text
