@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # (module, attribute) of every subcommand registrar, in help order.
@@ -21,17 +22,15 @@ _REGISTRARS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="logging level (env PDSERVE_LOG_LEVEL)")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+        help="logging level (env PDSERVE_LOG_LEVEL)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for spec in _REGISTRARS:
         module_name, attr = spec.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # subcommand not built yet in this checkout
-        getattr(module, attr)(subparsers)
+        getattr(importlib.import_module(module_name), attr)(subparsers)
     return parser
 
 
