@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative
 
@@ -39,7 +40,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "triton"
     seed: int = 0
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
-    hf_overrides: dict[str, object] = field(default_factory=dict)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
     speculative: str | None = None
 
@@ -91,10 +92,10 @@ class EngineConfig:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
 
-    def hf_config(self) -> dict[str, object]:
+    def hf_config(self) -> dict[str, Any]:
         """The model directory's config.json with ``hf_overrides`` applied."""
         with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
-            cfg: dict[str, object] = json.load(f)
+            cfg: dict[str, Any] = json.load(f)
         cfg.update(self.hf_overrides)
         return cfg
 

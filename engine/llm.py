@@ -42,7 +42,7 @@ class LLM:
         ids = [self._next_request_id() for _ in prompts]
         results: dict[str, CompletionOutput] = {}
         for rid, prompt, p in zip(ids, prompts, params_list):
-            token_ids = self._tokenize(prompt)
+            token_ids = self._tokenize(prompt)  # type: ignore[arg-type]
             self.engine.add_request(rid, token_ids, p)
             results[rid] = CompletionOutput(token_ids, [], "", None, [] if p.logprobs is not None else None)
         while self.engine.has_unfinished():

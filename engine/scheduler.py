@@ -7,11 +7,13 @@ decode phase: a request simply has ``num_computed_tokens`` of ``num_tokens``.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.block_pool import KVCacheBlock
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -126,7 +128,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = [], 0
+            hits: list[KVCacheBlock] = []
+            num_hit_tokens = 0
             if self.kv.num_blocks_of(request.request_id) == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
@@ -178,10 +181,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-            except ValueError:
-                pass
         if not keep_blocks:
             self.kv.free(request)
             self.requests.pop(request.request_id, None)

@@ -83,7 +83,9 @@ class BlockStoreConnector(AsyncConnectorBase):
         # all release the GIL. Separate from the per-transfer pool so it cannot deadlock.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-{name}-io")
         self._tls = threading.local()
-        self._kv_np: np.ndarray | None = None  # per-I/O-thread record buffers, reused across batches
+        self._kv_np: np.ndarray | None = (
+            None  # per-I/O-thread record buffers, reused across batches
+        )
 
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str

@@ -45,6 +45,10 @@ from kv_store.keys import block_keys
 logger = logging.getLogger(__name__)
 
 
+class _PartialStore(KVStoreError):
+    """LMCache accepted only part of a store."""
+
+
 def check_hash_seed() -> None:
     """``KVStoreError`` unless this interpreter runs with ``PYTHONHASHSEED=0``."""
     if os.environ.get("PYTHONHASHSEED") != "0" or sys.flags.hash_randomization:
@@ -246,27 +250,43 @@ class LMCacheConnector(AsyncConnectorBase):
                     kvcaches=kv,
                     slot_mapping=slots,
                 )
-                self._drain_puts(deadline)
-                if self._remote.put_failed_count != failed_before:
-                    raise KVStoreError(f"LMCache remote {self.remote_url} rejected puts")
+                self._await_remote(tokens, failed_before, deadline)
                 res.bytes_moved = (total - skip) * self._token_bytes()
             written = (len(t.block_hashes) - skip // bs) if skip < total else 0
             res.num_saved_blocks = written
             self.stats.record_save(
                 written, res.bytes_moved, len(t.block_hashes) - t.start_block - written
             )
+        except _PartialStore as e:
+            res.ok, res.error, res.failure_reason = False, str(e), "capacity"
         except (KVStoreError, TimeoutError) as e:
             unreachable = self._unreachable()
             res.ok, res.error = False, str(e)
             res.failure_reason = "unreachable" if unreachable else "timeout"
         return res
 
-    def _drain_puts(self, deadline: Deadline) -> None:
-        """Wait until the remote backend has no pending put tasks (bounded by ``deadline``)."""
-        while self._remote.put_tasks:
+    def _await_remote(self, tokens: torch.Tensor, failed_before: int, deadline: Deadline) -> None:
+        """Return once the remote holds every token of ``tokens``. LMCache's remote puts are
+        asynchronous (and its batched put path tracks no pending tasks), so poll the
+        remote's own lookup. ``KVStoreError`` if puts failed or LMCache stored only part
+        of the request (it does that silently when its local buffer is full)."""
+        total = len(tokens)
+        local = self._call(deadline.remaining(), self._engine.lookup, tokens)
+        if local < total:
+            raise _PartialStore(
+                f"LMCache stored only {local} of {total} tokens (local buffer full? raise --kv-capacity)"
+            )
+        while True:
+            held = self._call(
+                deadline.remaining(), self._engine.lookup, tokens, search_range=["RemoteBackend"]
+            )
+            if held >= total:
+                return
+            if self._remote.put_failed_count != failed_before:
+                raise KVStoreError(f"LMCache remote {self.remote_url} rejected puts")
             if deadline.remaining() <= 0:
-                raise TimeoutError("LMCache remote puts did not drain before the deadline")
-            time.sleep(0.002)
+                raise TimeoutError(f"LMCache remote holds {held} of {total} tokens at the deadline")
+            time.sleep(0.005)
 
     def _token_bytes(self) -> int:
         kv, layout = self._bound()

@@ -47,6 +47,7 @@ async def decode_deltas(
     tokens = list(generated)  # everything this choice produced so far (sent on resume)
     tried: set[str] = set()
     failovers = 0
+    first_chunk = True
     while True:
         inst = leg.decode_pool.select(ctx, exclude=tried) or (
             leg.decode_pool.select(ctx) if tried else None
@@ -71,7 +72,8 @@ async def decode_deltas(
         inst.inflight += 1
         try:
             async for chunk in call:
-                if len(trace.decode_instances) == 1 and not tokens[len(generated) :]:
+                if first_chunk:  # timings of the first stream (failovers are not phases)
+                    first_chunk = False
                     _record_decode_start(leg, trace, chunk, handle)
                 tokens.extend(chunk.token_ids)
                 delta = _delta(job, trace, index, chunk)

@@ -53,7 +53,8 @@ class TorchRefAttention(AttentionBackend):
         write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
-        decode_reqs, prefill_reqs = [], []
+        decode_reqs: list[int] = []
+        prefill_reqs: list[int] = []
         for i in range(meta.num_reqs):
             (decode_reqs if starts[i + 1] - starts[i] == 1 else prefill_reqs).append(i)
         if decode_reqs:

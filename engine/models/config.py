@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -34,7 +35,7 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, object]) -> ModelArgs:
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
         archs = cfg.get("architectures") or []
         arch = str(archs[0]) if isinstance(archs, list) and archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -42,32 +43,32 @@ class ModelArgs:
                 f"model architecture {arch or '(none)'!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        heads = int(cfg["num_attention_heads"])  # type: ignore[arg-type]
-        hidden = int(cfg["hidden_size"])  # type: ignore[arg-type]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})  # type: ignore[call-overload]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())  # type: ignore[call-overload]
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),  # type: ignore[arg-type]
+            vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),  # type: ignore[arg-type]
-            num_layers=int(cfg["num_hidden_layers"]),  # type: ignore[arg-type]
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
-            head_dim=int(cfg.get("head_dim") or hidden // heads),  # type: ignore[arg-type]
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
-            rope_theta=float(theta),  # type: ignore[arg-type]
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
             rope_scaling=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),  # type: ignore[arg-type]
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=int(window) if window else None,  # type: ignore[call-overload]
-            bos_token_id=cfg.get("bos_token_id"),  # type: ignore[arg-type]
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -45,10 +45,16 @@ class Harness:
     preemptions: int = 0
 
     def add(
-        self, rid: str, prompt_len: int, max_tokens: int, priority: int = 0, seed: int = 0
+        self,
+        rid: str,
+        prompt_len: int,
+        max_tokens: int,
+        priority: int = 0,
+        seed: int = 0,
+        prefix: list[int] | None = None,
     ) -> Request:
         rng = random.Random(f"{rid}:{seed}")
-        prompt = [rng.randrange(100, 5000) for _ in range(prompt_len)]
+        prompt = list(prefix or []) + [rng.randrange(100, 5000) for _ in range(prompt_len)]
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
         self.sched.add_request(req)
         return req
@@ -140,22 +146,26 @@ def test_randomized_workload_invariants(config_dir: Path, seed: int, policy: str
     rng = random.Random(seed)
     h = make(
         config_dir,
-        num_blocks=rng.choice([24, 48, 400]),
+        num_blocks=rng.choice([12, 24, 400]),
         max_num_seqs=rng.choice([2, 4, 16]),
         max_num_batched_tokens=rng.choice([16, 40, 256]),
         scheduling_policy=policy,
-        enable_prefix_caching=rng.random() < 0.5,
+        enable_prefix_caching=seed % 2 == 0,
     )
+    # Two shared prefixes (prefix-cache hits), lengths across block boundaries.
+    prefixes = [
+        [],
+        [rng.randrange(100, 5000) for _ in range(33)],
+        [rng.randrange(100, 5000) for _ in range(16)],
+    ]
     reqs = []
-    pending_arrivals = [(rng.randrange(0, 40), i) for i in range(30)]
-    pending_arrivals.sort()
+    pending_arrivals = sorted((rng.randrange(0, 40), i) for i in range(30))
     while pending_arrivals or h.sched.has_work():
         while pending_arrivals and pending_arrivals[0][0] <= h.steps:
             _, i = pending_arrivals.pop(0)
-            plen = rng.choice([1, 5, 16, 17, 40, 90])
-            reqs.append(
-                h.add(f"r{i}", plen, rng.randint(1, 12), priority=rng.randint(0, 3), seed=seed)
-            )
+            plen = rng.choice([1, 5, 16, 17, 40, 60])
+            prefix = rng.choice(prefixes)
+            reqs.append(h.add(f"r{i}", plen, rng.randint(1, 40), rng.randint(0, 3), seed, prefix))
         if h.sched.has_work():
             h.step()
         else:
