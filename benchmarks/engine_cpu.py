@@ -161,12 +161,15 @@ def scheduler_cost(args: argparse.Namespace) -> dict[str, Any]:
     kv = KVCacheManager(1 + n * per_req * 2, 16, enable_caching=True)
     sched = Scheduler(config, kv)
     rng = random.Random(args.seed)
+    # Prompts are made up front so that drawing random numbers is not what gets timed.
+    prompts = iter(
+        random_prompts(4 * n + args.sched_steps * 8, args.input_len, 49000, args.seed, 16)
+    )
     counter = iter(range(10**9))
 
     def add(max_tokens: int) -> None:
-        prompt = [rng.randrange(100, 49000) for _ in range(args.input_len + rng.randint(-16, 16))]
         sched.add_request(
-            Request(f"r{next(counter)}", prompt, SamplingParams(max_tokens=max_tokens))
+            Request(f"r{next(counter)}", next(prompts), SamplingParams(max_tokens=max_tokens))
         )
 
     def step() -> int:
@@ -176,7 +179,7 @@ def scheduler_cost(args: argparse.Namespace) -> dict[str, Any]:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
             if r.num_computed_tokens == r.num_tokens:
-                r.append_output_token(rng.randrange(100, 49000))
+                r.append_output_token(100 + r.num_tokens % 48000)  # the "sampled" token
                 if len(r.output_token_ids) >= r.params.max_tokens:
                     sched.finish(r, RequestStatus.FINISHED_LENGTH)
                     finished += 1
@@ -189,32 +192,33 @@ def scheduler_cost(args: argparse.Namespace) -> dict[str, Any]:
     ):
         step()  # prefill everyone (untimed)
     assert len(sched.running) == n
-    decode = _timed_steps(step, args.sched_steps)
+    decode = _timed_steps(step, args.sched_steps, lambda _: None)
     # Churn: give the running requests staggered remaining lengths, refill on finish.
     for r in sched.running:
         r.params.max_tokens = len(r.output_token_ids) + rng.randint(1, 48)
-    churn_times = []
-    for _ in range(args.sched_steps):
-        t0 = time.perf_counter()
-        finished = step()
-        for _ in range(finished):
-            add(rng.randint(16, 64))
-        churn_times.append(time.perf_counter() - t0)
+    churn = _timed_steps(
+        step, args.sched_steps, lambda finished: [add(rng.randint(16, 64)) for _ in range(finished)]
+    )
     return {
         "running_requests": n,
-        "decode": _ms_stats(decode),
-        "churn": _ms_stats(churn_times),
+        "decode": _ms_stats(decode[0]),
+        "decode_cpu": _ms_stats(decode[1]),
+        "churn": _ms_stats(churn[0]),
+        "churn_cpu": _ms_stats(churn[1]),
         "prefix_hit_rate": kv.pool.hit_rate(),
     }
 
 
-def _timed_steps(step: Any, count: int) -> list[float]:
-    times = []
+def _timed_steps(step: Any, count: int, after: Any) -> tuple[list[float], list[float]]:
+    """Wall and thread-CPU seconds of ``count`` calls of ``step`` (+ ``after(result)``).
+    CPU time leaves out the time this thread sat descheduled on a busy machine."""
+    wall, cpu = [], []
     for _ in range(count):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
+        c0, t0 = time.thread_time(), time.perf_counter()
+        after(step())
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return wall, cpu
 
 
 def _ms_stats(seconds: list[float]) -> dict[str, float]:
@@ -274,16 +278,26 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"## Scheduler + KV manager per step, {s['running_requests']} running requests (no model)",
         "",
-        "| phase | steps | mean ms | p50 ms | p99 ms | max ms |",
+        "| phase (wall clock, or thread CPU time) | steps | mean ms | p50 ms | p99 ms | max ms |",
         "|---|---|---|---|---|---|",
     ]
-    for phase in ("decode", "churn"):
+    for phase in ("decode", "decode_cpu", "churn", "churn_cpu"):
         p = s[phase]
         lines.append(
             f"| {phase} | {p['steps']} | {p['mean_ms']:.3f} | {p['p50_ms']:.3f} | {p['p99_ms']:.3f} | {p['max_ms']:.3f} |"
         )
-    sched_target = "met" if s["decode"]["mean_ms"] <= 1.0 else "NOT met"
-    lines += ["", f"Target ≤ 1 ms per step (decode mean): {sched_target}.", ""]
+
+    def verdict(ms: float) -> str:
+        return "met" if ms <= 1.0 else "NOT met"
+
+    lines += [
+        "",
+        f"Target ≤ 1 ms per step: decode CPU-time mean {s['decode_cpu']['mean_ms']:.3f} ms "
+        f"({verdict(s['decode_cpu']['mean_ms'])}), wall p50 {s['decode']['p50_ms']:.3f} ms "
+        f"({verdict(s['decode']['p50_ms'])}), wall mean {s['decode']['mean_ms']:.3f} ms "
+        f"({verdict(s['decode']['mean_ms'])}; the wall mean includes time descheduled on the shared CPU).",
+        "",
+    ]
     notes = report.get("notes")
     if notes:
         lines += ["## Notes", "", notes, ""]

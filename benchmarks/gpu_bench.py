@@ -109,14 +109,11 @@ def make_engine(model: str, backend: str, graphs: bool) -> Any:
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9,
+        cuda_graphs=graphs,
     )
-    engine = LLMEngine(cfg)
     t0 = time.perf_counter()
-    if graphs:
-        from engine.cuda_graphs import install_decode_graphs
-
-        install_decode_graphs(engine.runner, cfg.max_num_seqs)
-    log.info("engine %s/%s ready (graph capture %.1f s)", model, backend, time.perf_counter() - t0)
+    engine = LLMEngine(cfg)
+    log.info("engine %s/%s ready (build incl. graph capture %.1f s)", model, backend, time.perf_counter() - t0)
     return engine
 
 
@@ -148,6 +145,30 @@ def run_batch(engine: Any, batch: list[list[int]], max_tokens: int, tag: str) ->
     }
 
 
+def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
+    """GPU time of one graphed decode step (``bs`` requests, ``ctx`` tokens each), no host work."""
+    from engine.attention.base import AttentionMetadata
+
+    runner, graphs = engine.runner, engine.bench_graphs
+    blk, dev = runner.block_size, runner.device
+    per = -(-ctx // blk)
+    ids = (torch.randperm(runner.num_blocks - 1, device=dev)[: bs * per] + 1).view(bs, per)
+    last = ctx - 1
+    meta = AttentionMetadata(
+        slot_mapping=ids[:, last // blk].long() * blk + last % blk,
+        query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((bs,), ctx, dtype=torch.int32, device=dev),
+        block_tables=ids.to(torch.int32),
+        max_query_len=1,
+        max_seq_len=ctx,
+        query_start_loc_cpu=list(range(bs + 1)),
+        seq_lens_cpu=[ctx] * bs,
+    )
+    tokens = torch.randint(1000, 100000, (bs,), device=dev)
+    pos = torch.full((bs,), last, device=dev)
+    return bench_ms(lambda: graphs.run(tokens, pos, meta), dev, rep_ms=300)
+
+
 def bench_engine(
     res: Results, model: str, backend: str, graphs: bool, rows: list[str], deadline: float
 ) -> None:
@@ -157,6 +178,11 @@ def bench_engine(
     engine = make_engine(model, backend, graphs)
     row: dict[str, Any] = {}
     try:
+        if "gpu_step" in rows:
+            engine.runner.kv_cache.normal_()  # time on random KV, not zeros
+            row["gpu_step_b1_ctx512_ms"] = round(gpu_step_ms(engine, 1, 512), 3)
+            row["gpu_step_b256_ctx1536_ms"] = round(gpu_step_ms(engine, 256, 1536), 3)
+            res.put("e2e", variant, row)
         if "decode_b1" in rows and time.monotonic() < deadline:
             run_batch(engine, prompts(1, 512, 1), 16, "warm")
             r = run_batch(engine, prompts(1, 512, 2), 128, "b1")
@@ -225,7 +251,7 @@ def bench_hf(res: Results, model: str, deadline: float) -> None:
         res.put("hf", key, row)
 
 
-def run_e2e(res: Results, sections: list[str], deadline: float) -> None:
+def run_e2e(res: Results, sections: list[str], deadline: float, quick: bool = False) -> None:
     """Headline variants of both models first, then the before-rows (eager, torch_ref)."""
     for model in MODELS:
         res.put("models", model, model_numbers(model))
@@ -238,6 +264,8 @@ def run_e2e(res: Results, sections: list[str], deadline: float) -> None:
             (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"]),
             (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"]),
         ]
+    if quick:  # only what the graphed engine's step costs on the GPU vs on the host
+        plan = [(m, "triton", True, ["gpu_step", "decode_b1"]) for m in MODELS]
     for model, backend, graphs, rows in plan:
         if time.monotonic() >= deadline:
             res.put("skipped", f"{model}/{backend}/{graphs}", "run budget spent")
@@ -275,8 +303,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--merge", type=Path, default=None, help="earlier JSON kept under 'earlier'")
+    p.add_argument("--kernels", default="", help="kernels: only shapes whose name starts with this")
     p.add_argument("--no-sweep", action="store_true", help="kernels: skip the tile sweep")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument(
+        "--quick", action="store_true", help="e2e: graphed GPU step times + batch-1 decode only"
+    )
     p.add_argument("--budget-s", type=float, default=540.0, help="start nothing new after this")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
@@ -291,9 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     if "ceilings" in sections:
         measure_ceilings(res, dev, args.tiny)
     if "kernels" in sections:
-        run_kernels(res, dev, args.tiny, sweep=not args.no_sweep)
+        run_kernels(res, dev, args.tiny, sweep=not args.no_sweep, only=args.kernels)
     if "e2e" in sections or "hf" in sections:
-        run_e2e(res, sections, deadline)
+        run_e2e(res, sections, deadline, quick=args.quick)
     if args.md is not None:
         args.md.write_text(render_markdown(res.data))
     print(summarize(res.data))

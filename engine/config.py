@@ -40,6 +40,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "triton"
     seed: int = 0
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
+    cuda_graphs: bool = True  # capture decode steps on CUDA (triton backend only)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
     speculative: str | None = None

@@ -180,6 +180,9 @@ def install_decode_graphs(runner: Any, max_batch_size: int) -> DecodeGraphs:
     others (prefill, chunked prefill, larger batches) run ``execute`` eagerly as before.
     """
 
+    if getattr(runner, "graphs", None) is not None:
+        return runner.graphs  # the runner captured its own (EngineConfig.cuda_graphs)
+
     def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return runner.model.compute_logits(runner.model(ids, pos, runner.kv_cache, meta))
 

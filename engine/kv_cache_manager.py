@@ -16,6 +16,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as plain block ids, kept alongside so that handing them to the
+        # model runner every step is a list copy, not a Python loop over blocks.
+        self._block_ids: dict[str, list[int]] = {}
         # How many of a request's blocks are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
 
@@ -51,6 +54,11 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix-cache hits to adopt first (a fresh request).
         Returns the newly taken blocks, or None (changing nothing) if the pool is short.
         """
+        if not new_computed_blocks:
+            # Hot path (decode): the tail block still has room; nothing to take.
+            held = self.req_to_blocks.get(request.request_id)
+            if held and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+                return []
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
@@ -61,21 +69,26 @@ class KVCacheManager:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        ids = self._block_ids.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
+            ids.extend(b.block_id for b in computed)
             self._num_cached_blocks[request.request_id] = len(blocks)
         new_blocks = self.pool.take(max(need, 0))
         blocks.extend(new_blocks)
+        ids.extend(b.block_id for b in new_blocks)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register every full block whose KV is (or is being, this step) computed."""
         if not self.enable_caching:
             return
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # no newly completed block (most decode steps)
         request.update_block_hashes(self.block_size)
         blocks = self.req_to_blocks.get(request.request_id, [])
-        start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(start, end):
             self.pool.register(blocks[i], request.block_hashes[i])
@@ -84,11 +97,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """A copy of the request's block table (block ids, in token order)."""
+        return list(self._block_ids.get(request_id, ()))
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, []))

@@ -15,6 +15,7 @@ import torch
 from engine.attention import get_backend
 from engine.attention.base import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.models import ModelArgs, build_model
 from engine.scheduler import ScheduledRequest
 
@@ -51,11 +52,27 @@ class ModelRunner:
             device=self.device,
         )
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.graphs = self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
+        backend that reads only device tensors, so only ``triton`` qualifies."""
+        if self.device.type != "cuda" or self.backend.name != "triton" or not self.config.cuda_graphs:
+            return None
+        graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model.compute_logits(self.model(ids, pos, self.kv_cache, meta)),
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            device=self.device,
+            buckets=default_buckets(self.config.max_num_seqs),
+        )
+        graphs.capture()
+        return graphs
 
     def bytes_per_block(self) -> int:
         a = self.args
@@ -154,6 +171,8 @@ class ModelRunner:
         requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
         positions, in order), request after request."""
         inputs = self.prepare(scheduled)
+        if self.graphs is not None and inputs.meta.max_query_len == 1 and self.graphs.bucket_for(inputs.meta.num_reqs):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

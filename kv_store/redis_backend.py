@@ -16,7 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
+from redis._parsers import Encoder
 from redis.backoff import ExponentialBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kv_store.base import Blob, KVStoreError, StorageBackend
@@ -68,6 +70,10 @@ class RedisBackend(StorageBackend):
                 retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                 max_connections=max_connections,
                 health_check_interval=30,
+                # With hiredis installed redis-py would pack each command into one joined
+                # buffer, copying every multi-MiB record; the Python packer sends large
+                # values as their own buffers. (hiredis still parses replies: 2x faster GETs.)
+                command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
             )
         except ValueError as e:
             raise ValueError(f"invalid redis_url {url!r}: {e}") from e

@@ -169,7 +169,14 @@ class Launcher:
     stop_requested: threading.Event = field(default_factory=threading.Event)
 
     def python(self, *argv: str) -> list[str]:
-        return [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, *argv]
+        return [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "--log-level",
+            getattr(self.args, "log_level", "INFO"),
+            *argv,
+        ]
 
     def child_env(self, threads: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -304,8 +311,14 @@ def _require_tool(name: str, hint: str) -> str:
     return found
 
 
-def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
+def _engine_flags(
+    args: argparse.Namespace, model_dir: str, threads: int, engines: int
+) -> list[str]:
     flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
+    if args.device == "cuda" and engines > 1:
+        # Each engine sizes its KV cache as a fraction of the whole GPU: engines sharing one
+        # GPU must split the usual 0.9 between them.
+        flags += ["--gpu-memory-utilization", f"{0.9 / engines:.3f}"]
     for flag, value in (
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
@@ -326,7 +339,7 @@ def build_plan(
     connector_flags, store = (
         ([], None) if args.mode == "colocated" else _connector_flags(launcher, args)
     )
-    engine_flags = _engine_flags(args, model_dir, threads)
+    engine_flags = _engine_flags(args, model_dir, threads, num_engines)
     ports = free_ports(2 * num_engines)
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     services: list[Child] = []
@@ -381,37 +394,27 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Entry point of `pdserve up`: 0 after a requested stop, 1 when a part failed."""
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
-    launcher = Launcher(args, workdir, log_dir)
-    previous = {
-        s: signal.signal(s, lambda *_: launcher.stop_requested.set())
-        for s in (signal.SIGINT, signal.SIGTERM)
-    }
     try:
         _check_counts(args)
         _check_port_free(args.host, args.port)
         from pdserve.models import resolve_model
 
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model)  # a known model is pulled once; Ctrl-C stops it
+    except (LaunchError, ValueError) as exc:
+        _print(f"pdserve up failed: {exc}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
+    launcher = Launcher(args, workdir, log_dir)
+    handlers = {
+        s: signal.signal(s, lambda *_: launcher.stop_requested.set())
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
         log_dir.mkdir(parents=True, exist_ok=True)
-        stores, parts, env = build_plan(launcher, model_dir)
-        url = f"http://{_connect_host(args.host)}:{args.port}/v1"
-        _print(
-            f"pdserve: starting {len(parts) - 1} engine service(s) and the router for {model_dir}; logs in {log_dir}"
-        )
-        deadline = time.monotonic() + args.startup_timeout
-        launcher.start(stores, env)
-        launcher.wait_healthy(stores, deadline)
-        launcher.start(parts, env)
-        _print(
-            f"pdserve: router listening on {url} (mode {args.mode}); waiting for every part to be healthy"
-        )
-        launcher.wait_healthy(parts, deadline)
-        _print(f"pdserve is ready: {url} (Ctrl-C to stop)")
-        launcher.supervise()
-        _print("pdserve: stopping")
-        return 0
+        return _start_and_supervise(launcher, model_dir)
     except Interrupted:
         _print("pdserve: interrupted during startup; stopping")
         return 0
@@ -420,9 +423,28 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         launcher.stop_all(args.shutdown_grace)
-        for signum, handler in previous.items():
+        for signum, handler in handlers.items():
             signal.signal(signum, handler)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_and_supervise(launcher: Launcher, model_dir: str) -> int:
+    """Start the store, then services and router; wait until healthy; run until stopped."""
+    args = launcher.args
+    stores, parts, env = build_plan(launcher, model_dir)
+    url = f"http://{_connect_host(args.host)}:{args.port}/v1"
+    _print(f"pdserve: starting {len(parts) - 1} engine service(s) and the router for {model_dir}")
+    _print(f"pdserve: logs in {launcher.log_dir}")
+    deadline = time.monotonic() + args.startup_timeout
+    launcher.start(stores, env)
+    launcher.wait_healthy(stores, deadline)
+    launcher.start(parts, env)
+    _print(f"pdserve: router listening on {url} (mode {args.mode}); waiting until all are healthy")
+    launcher.wait_healthy(parts, deadline)
+    _print(f"pdserve is ready: {url} (Ctrl-C to stop)")
+    launcher.supervise()
+    _print("pdserve: stopping")
+    return 0
 
 
 def _print(line: str, *, err: bool = False) -> None:

@@ -70,6 +70,7 @@ class TunePlan:
     pdserve_cmd: list[str] = field(default_factory=lambda: [sys.executable, "-m", "pdserve"])
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 300.0
+    request_timings: bool = False
     progress: bool = True
 
     def fingerprint(self) -> str:
@@ -169,6 +170,7 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
         else [sys.executable, "-m", "pdserve"],
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
+        request_timings=args.request_timings,
         progress=not args.no_progress,
     )
 
@@ -187,11 +189,20 @@ def run_point(plan: TunePlan, point: GridPoint, rates: list[float], results: Res
         base_url = f"http://127.0.0.1:{port}"
         served = discover_model(base_url, 30.0)
         for rate in rates:
-            target = Target(base_url, served, plan.endpoint, timeout_s=plan.request_timeout_s)
+            target = Target(
+                base_url,
+                served,
+                plan.endpoint,
+                timeout_s=plan.request_timeout_s,
+                request_timings=plan.request_timings,
+            )
+            # Fresh prompts per rate (same ones for every configuration): one server must
+            # not serve a repeated prompt from its prefix cache.
+            k = plan.rates.index(rate)
             config = ServeConfig(
                 target=target,
-                workload=plan.workload,
-                load=dataclasses.replace(plan.load, request_rate=rate),
+                workload=dataclasses.replace(plan.workload, seed=plan.workload.seed + 101 * k),
+                load=dataclasses.replace(plan.load, request_rate=rate, seed=plan.load.seed + k),
                 tokenizer=plan.tokenizer,
                 slo=plan.slo,
                 progress=plan.progress,
@@ -257,6 +268,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     b = p.add_argument_group("bench")
     b.add_argument("--request-rates", type=rate_list, default=[1.0], help="comma list, req/s")
     b.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
+    b.add_argument("--request-timings", action="store_true", help='ask for "pdserve_timings"')
     b.add_argument("--out", required=True, help="results directory (resumable)")
     b.add_argument("--dry-run", action="store_true", help="print the grid and exit")
     b.add_argument("--no-progress", action="store_true")

@@ -5,7 +5,9 @@ RPC answers the same way:
 
 - ``ValueError`` (bad prompt, bad sampling parameters, incompatible KV handle) → INVALID_ARGUMENT
 - ``EngineFull`` → RESOURCE_EXHAUSTED
-- ``ServiceUnavailable`` (draining), ``KVStoreError``, ``KVRecordError``, ``ConnectionError`` → UNAVAILABLE
+- ``ServiceUnavailable`` (draining, KV save/load failed), ``KVStoreError``, ``KVRecordError``,
+  ``ConnectionError``, and the types passed as ``unavailable`` (the engine's
+  ``EngineDeadError``) → UNAVAILABLE
 - ``TimeoutError`` → DEADLINE_EXCEEDED
 - anything else → INTERNAL (logged with its traceback)
 
@@ -38,9 +40,15 @@ class EngineFull(RuntimeError):
     """The engine's waiting queue is at its limit; try later or elsewhere."""
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code a domain error maps to (order matters: KVRecordError is a ValueError)."""
-    if isinstance(exc, ServiceUnavailable | KVStoreError | KVRecordError | ConnectionError):
+_UNAVAILABLE = (ServiceUnavailable, KVStoreError, KVRecordError, ConnectionError)
+
+
+def status_for(
+    exc: BaseException, unavailable: tuple[type[BaseException], ...] = ()
+) -> grpc.StatusCode:
+    """The status code a domain error maps to (order matters: KVRecordError is a ValueError).
+    ``unavailable`` adds error types meaning "this instance cannot serve" (a dead engine)."""
+    if isinstance(exc, (*_UNAVAILABLE, *unavailable)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, EngineFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -57,8 +65,13 @@ OutcomeRecorder = Callable[[str, str], None]
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary-unary and unary-stream handler with the mapping above."""
 
-    def __init__(self, record_outcome: OutcomeRecorder | None = None) -> None:
+    def __init__(
+        self,
+        record_outcome: OutcomeRecorder | None = None,
+        unavailable: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self._record = record_outcome or (lambda _method, _outcome: None)
+        self._unavailable = unavailable
 
     async def intercept_service(
         self,
@@ -125,7 +138,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return
         if not isinstance(exc, Exception):
             return
-        code = status_for(exc)
+        code = status_for(exc, self._unavailable)
         self._record(rpc, code.name.lower())
         if code is grpc.StatusCode.INTERNAL:
             logger.exception("%s failed", rpc, exc_info=exc)

@@ -96,7 +96,7 @@ def _exit_despite_stray_threads(status: int, timeout: float = 5.0) -> None:
 
 
 async def _serve(args: argparse.Namespace, role: str, register: Register) -> int:
-    from engine.async_engine import AsyncLLMEngine
+    from engine.async_engine import AsyncLLMEngine, EngineDeadError
 
     config = engine_config_from_args(args)
     connector = build_connector(args)
@@ -112,7 +112,10 @@ async def _serve(args: argparse.Namespace, role: str, register: Register) -> int
         max_waiting=args.max_waiting,
     )
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(metrics.record_outcome)], options=_GRPC_OPTIONS
+        interceptors=[
+            ErrorMappingInterceptor(metrics.record_outcome, unavailable=(EngineDeadError,))
+        ],
+        options=_GRPC_OPTIONS,
     )
     names = register(server, core, connector)
     health_servicer = health.aio.HealthServicer()

@@ -46,6 +46,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         start = time.monotonic()
         first_at: float | None = None
         last: Any = None
+        committed = False
         async for out in core.run(
             request_id, prompt, params, save_kv=True, priority=request.priority
         ):
@@ -79,7 +80,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     ),
                     timings=timings,
                 )
-                return
+                committed = True  # the last output; the engine's stream ends right after
+        if committed:
+            return
         if last is not None and last.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED, f"request {request_id} was aborted")
         raise RuntimeError(f"engine finished request {request_id} without reporting its saved KV")

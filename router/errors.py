@@ -80,7 +80,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         ctx = first.get("ctx") or {}
         return f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     text = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more problem(s))"

@@ -136,39 +136,29 @@ def _check_prompt(deps: Deps, ids: list[int], max_tokens: int | None) -> int:
     return max_tokens
 
 
-async def handle_generation(
-    request: Request, deps: Deps, req: CompletionRequest | ChatCompletionRequest
-) -> Response:
-    """Run a completions or chat request end to end."""
-    trace = Trace()
-    chat = isinstance(req, ChatCompletionRequest)
-    try:
-        if req.model not in deps.settings.served_model_names:
-            raise APIError(
-                404,
-                f"the model {req.model!r} does not exist; this server serves {deps.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        params = (
-            chat_params(req) if isinstance(req, ChatCompletionRequest) else completion_params(req)
+async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> list[Job]:
+    """Validate and tokenize; the jobs to run (one per prompt). Raises APIError (4xx/503)."""
+    if req.model not in deps.settings.served_model_names:
+        raise APIError(
+            404,
+            f"the model {req.model!r} does not exist; this server serves {deps.model_name!r}",
+            param="model",
+            code="model_not_found",
         )
-        prompts = await _prompts_of(deps, req)
-        limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
-        deps.orchestrator.check_available()
-        limit = deps.settings.max_concurrent_requests
-        if limit and deps.active >= limit:
-            raise APIError(
-                429,
-                f"too many concurrent requests (limit {limit}); retry later",
-                code="rate_limited",
-            )
-    except APIError as exc:
-        trace.finish(deps.metrics, outcome_of(exc))
-        raise
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    params = chat_params(req) if isinstance(req, ChatCompletionRequest) else completion_params(req)
+    prompts = await _prompts_of(deps, req)
+    limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
+    deps.orchestrator.check_available()
+    limit = deps.settings.max_concurrent_requests
+    if limit and deps.active >= limit:
+        raise APIError(
+            429, f"too many concurrent requests (limit {limit}); retry later", code="rate_limited"
+        )
+    request_id = (
+        "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
+    ) + uuid.uuid4().hex
     deadline = time.monotonic() + deps.settings.request_timeout
-    jobs = [
+    return [
         Job(
             f"{request_id}-{j}" if len(prompts) > 1 else request_id,
             ids,
@@ -181,23 +171,38 @@ async def handle_generation(
         )
         for j, (ids, max_tok) in enumerate(zip(prompts, limits, strict=True))
     ]
-    echo = (
-        [deps.processor.decode(ids) for ids in prompts]
-        if isinstance(req, CompletionRequest) and req.echo
-        else None
-    )
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    fmt = Formatter(
-        chat=chat,
-        request_id=request_id,
+
+
+def _formatter(
+    deps: Deps, req: CompletionRequest | ChatCompletionRequest, jobs: list[Job]
+) -> Formatter:
+    echo = None
+    if isinstance(req, CompletionRequest) and req.echo:
+        echo = [deps.processor.decode(job.prompt_ids) for job in jobs]
+    return Formatter(
+        chat=isinstance(req, ChatCompletionRequest),
+        request_id=jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id,
         model=req.model,
         processor=deps.processor,
         num_choices=len(jobs) * req.n,
-        include_usage_field=include_usage,
+        include_usage_field=bool(req.stream_options and req.stream_options.include_usage),
         echo_text=echo,
         n=req.n,
     )
-    usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts))
+
+
+async def handle_generation(
+    request: Request, deps: Deps, req: CompletionRequest | ChatCompletionRequest
+) -> Response:
+    """Run a completions or chat request end to end."""
+    trace = Trace()
+    try:
+        jobs = await _admit(deps, req)
+    except APIError as exc:
+        trace.finish(deps.metrics, outcome_of(exc))
+        raise
+    fmt = _formatter(deps, req, jobs)
+    usage = Usage(prompt_tokens=sum(len(job.prompt_ids) for job in jobs))
     deps.active += 1
     release = True
     trace.phase("router_queue", time.perf_counter() - trace.arrival)
@@ -209,7 +214,9 @@ async def handle_generation(
                 raise APIError(500, "the request produced no output", code="empty_output")
             trace.on_delta(first)
             release = False  # the stream owns the slot from here
-            body = _stream(deps, run, first, fmt, usage, trace, include_usage, req.pdserve_timings)
+            body = _stream(
+                deps, run, first, fmt, usage, trace, fmt.include_usage_field, req.pdserve_timings
+            )
             return StreamingResponse(
                 body,
                 media_type="text/event-stream",

@@ -104,17 +104,17 @@ def _sdpa(
 ) -> torch.Tensor:
     """Attention of ``q`` [Lq, Hq, D] over ``k``/``v`` [Lk, Hkv, D]; query j sees keys <= offset + j."""
     lq, lk = q.shape[0], k.shape[0]
-    kv_heads, dim = k.shape[1], k.shape[2]
-    groups = q.shape[1] // kv_heads
-    # Query heads sharing a KV head are stacked as extra query rows: [Hkv, groups * Lq, D],
-    # so K/V are never repeated per query head (query row r is token r % Lq).
-    qg = q.view(lq, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * lq, dim)
-    kt = k.transpose(0, 1).to(q.dtype)
-    vt = v.transpose(0, 1).to(q.dtype)
-    mask = torch.arange(lk, device=q.device)[None, :] <= (
-        torch.arange(lq, device=q.device)[:, None] + causal_offset
-    )
-    if groups > 1:
-        mask = mask.repeat(groups, 1)
-    o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
-    return o.view(kv_heads, groups, lq, dim).permute(2, 0, 1, 3).reshape(lq, kv_heads * groups, dim)
+    # 4-D inputs with enable_gqa: on the CPU this reaches the fused (flash) kernel and never
+    # repeats K/V per query head; 3-D inputs fell back to the unfused math path, ~5-10x slower.
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    vt = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if causal_offset == 0 and lq == lk:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = torch.arange(lk, device=q.device)[None, :] <= (
+            torch.arange(lq, device=q.device)[:, None] + causal_offset
+        )
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)

@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +57,25 @@ class RateRun:
 
 
 async def run_serve(config: ServeConfig) -> list[RateRun]:
-    """Build the workload once, then run it at each rate; raises ValueError on bad config."""
+    """Run the workload at each rate; raises ValueError on a bad config.
+
+    Each rate gets prompts of its own (workload seed + rate index) and warm-ups get
+    prompts of their own too: a server's prefix cache must not turn a repeated prompt
+    into a cheap one. (A JSONL workload is the same file every time: it repeats.)"""
     config.target.validate()
     config.load.validate()
+    config.workload.validate()
     codec = load_codec(config.tokenizer)
-    prompts = build_prompts(config.workload, codec)
     out = []
-    for rate in config.rates():
-        load = LoadSpec(**{**asdict(config.load), "request_rate": rate})
-        run = await run_load(config.target, prompts, load, codec, config.progress)
+    for i, rate in enumerate(config.rates()):
+        seed = config.workload.seed + i
+        prompts = build_prompts(replace(config.workload, seed=seed), codec)
+        warmups = None
+        if config.load.num_warmups:
+            spec = replace(config.workload, seed=seed + 7919, num_prompts=config.load.num_warmups)
+            warmups = build_prompts(spec, codec)
+        load = replace(config.load, request_rate=rate, seed=config.load.seed + i)
+        run = await run_load(config.target, prompts, load, codec, config.progress, warmups)
         out.append(RateRun(rate, run, summarize(run.records, run.duration_s, config.slo)))
     return out
 

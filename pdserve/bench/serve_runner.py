@@ -73,17 +73,16 @@ def _client(target: Target, max_concurrency: int | None) -> httpx.AsyncClient:
 async def _warm_up(
     client: httpx.AsyncClient,
     target: Target,
-    prompts: Sequence[Prompt],
+    warm: Sequence[Prompt],
     load: LoadSpec,
     codec: TextCodec | None,
 ) -> None:
-    sem = asyncio.Semaphore(load.max_concurrency or load.num_warmups or 1)
+    sem = asyncio.Semaphore(load.max_concurrency or len(warm) or 1)
 
     async def one(prompt: Prompt) -> RequestRecord:
         async with sem:
             return await send_request(client, target, prompt, codec)
 
-    warm = [prompts[i % len(prompts)] for i in range(load.num_warmups)]
     results = await asyncio.gather(*(one(p) for p in warm))
     failed = [r.error for r in results if not r.ok]
     if failed:
@@ -96,15 +95,22 @@ async def run_load(
     load: LoadSpec,
     codec: TextCodec | None = None,
     progress: bool = True,
+    warmups: Sequence[Prompt] | None = None,
 ) -> RunResult:
-    """Run one load and return its records (prompts are cycled when the bound allows more)."""
+    """Run one load and return its records (prompts are cycled when the bound allows more).
+
+    `load.num_warmups` requests go first, taken from `warmups` when given (prompts of
+    their own, so they do not warm the server's prefix cache for measured prompts), else
+    from `prompts`."""
     target.validate()
     load.validate()
     if not prompts:
         raise ValueError("no prompts to send")
     async with _client(target, load.max_concurrency) as client:
         if load.num_warmups:
-            await _warm_up(client, target, prompts, load, codec)
+            pool = warmups or prompts
+            warm = [pool[i % len(pool)] for i in range(load.num_warmups)]
+            await _warm_up(client, target, warm, load, codec)
         bar = tqdm(
             total=load.max_requests,
             desc=f"rate={load.request_rate:g}",

@@ -360,3 +360,39 @@ def test_auto_mode_decides_per_request(stack: Stack) -> None:
     url = f"{stack.auto.url}/metrics"
     decided = metric(url, "pdserve_disagg_decisions_total")
     assert decided == metric(url, "pdserve_requests_total", outcome="success") >= 2
+
+
+def test_batch_prompts_with_n_and_echo(stack: Stack) -> None:
+    prompts = ["Alpha beta gamma", "One two three"]
+    out = complete(
+        stack.client(),
+        prompt=prompts,
+        n=2,
+        max_tokens=3,
+        echo=True,
+        temperature=0.8,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    for choice in out.choices:
+        assert choice.text.startswith(prompts[choice.index // 2])
+        assert len(choice.text) > len(prompts[choice.index // 2])
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    single = [
+        complete(
+            stack.client(),
+            prompt=p,
+            max_tokens=3,
+            temperature=0.8,
+            seed=5,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    by_index = {c.index: c.text for c in out.choices}
+    # Choice 0 of each prompt uses the request's seed: same as asking for it alone.
+    assert by_index[0] == prompts[0] + single[0]
+    assert by_index[2] == prompts[1] + single[1]

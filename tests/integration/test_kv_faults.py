@@ -3,6 +3,7 @@ mid-run, concurrent fs writers, and LMCache misconfiguration."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -180,10 +181,43 @@ def test_lmcache_unreachable_remote_fails_loudly() -> None:
     assert "KVStoreError" in out and "unreachable" in out, out
 
 
+def _lmcache_dies() -> dict[str, Any]:
+    """Child process (PYTHONHASHSEED=0): save through LMCache, kill its server, save again."""
+    from tests.servers import start_lmcache
+
+    srv, url = start_lmcache()
+    t = Target("lmcache", url)
+    try:
+        lay = layout()
+        a = t.connector(random_cache(lay, 8, seed=41), lay)
+        tokens = prompt(41, 48)
+        a.start_save(transfer("r", tokens, [0, 1, 2]))
+        first = one(a)
+        srv.stop()
+        a.start_save(transfer("s", prompt(42, 48), [3, 4, 5]))
+        second = one(a, timeout_s=60)
+        return {"first": first.ok, "second": second.ok, "reason": second.failure_reason}
+    finally:
+        t.close()
+        srv.stop()
+
+
+def test_lmcache_server_stopped_mid_run_fails_the_save() -> None:
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tests.integration.test_kv_faults", "lmcache-dies"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"first": True, "second": False, "reason": "unreachable"}, out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "writer":
         torch.set_num_threads(1)
         _writer(argv[1], int(argv[2]), int(argv[3]))
+        return 0
+    if argv == ["lmcache-dies"]:
+        print(json.dumps(_lmcache_dies()))
         return 0
     print(
         "usage: python -m tests.integration.test_kv_faults writer ROOT SEED ROUNDS", file=sys.stderr

@@ -6,12 +6,16 @@ real redis-server and a real lmcache_server (fixtures from tests/conftest.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.service_fixtures import ProcessStack
+
+if TYPE_CHECKING:
+    from tests.service_fixtures import ProcessStack
 
 pytest_plugins = ["tests.service_fixtures"]
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.service_fixtures import ProcessStack
+
+if TYPE_CHECKING:
+    from tests.service_fixtures import ProcessStack
 
 pytest_plugins = ["tests.service_fixtures"]
 
@@ -67,3 +70,37 @@ def test_sigterm_drains_in_flight_stream_and_refuses_new(process_stack: ProcessS
         assert len(received) == max_tokens
         assert chunks[-1].finished and chunks[-1].finish_reason == "length"
     assert svc.proc.wait(timeout=60) == 0, svc.log_tail()
+
+
+def test_full_queue_is_refused_with_resource_exhausted(process_stack: ProcessStack) -> None:
+    """--max-num-seqs 1 --max-waiting 1: one running, one waiting, the next is refused."""
+    svc = process_stack.service("decode", extra_args=("--max-num-seqs", "1", "--max-waiting", "1"))
+    long = pb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(svc.address) as channel:
+        decode = pb_grpc.DecodeServiceStub(channel)
+        calls = [
+            decode.Decode(
+                pb.DecodeRequest(request_id=f"q{i}", prompt_token_ids=[5, 6, 7], params=long),
+                timeout=120,
+            )
+            for i in range(2)
+        ]
+        try:
+            deadline = time.monotonic() + 30
+            while decode.GetLoad(pb.GetLoadRequest(), timeout=10).waiting < 1:
+                assert time.monotonic() < deadline, "the second request never showed up as waiting"
+                time.sleep(0.05)
+            try:
+                list(
+                    decode.Decode(
+                        pb.DecodeRequest(prompt_token_ids=[5, 6], params=long), timeout=30
+                    )
+                )
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "queue is full" in exc.details()
+            else:
+                raise AssertionError("a request beyond --max-waiting was accepted")
+        finally:
+            for call in calls:
+                call.cancel()

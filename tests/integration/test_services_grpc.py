@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -16,7 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.service_fixtures import PDServices
+
+if TYPE_CHECKING:
+    from tests.service_fixtures import PDServices
 
 pytest_plugins = ["tests.model_fixtures", "tests.service_fixtures"]
 

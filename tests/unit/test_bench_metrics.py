@@ -17,9 +17,20 @@ from pdserve.bench.metrics import (
 )
 
 
-def rec(chunks: list[float], e2e: float, out: int, prompt: int = 10, **kw: object) -> RequestRecord:
+def rec(
+    chunks: list[float],
+    e2e: float,
+    out: int,
+    prompt: int = 10,
+    timings: dict[str, float] | None = None,
+) -> RequestRecord:
     return RequestRecord(
-        prompt_tokens=prompt, ok=True, output_tokens=out, chunk_times=chunks, e2e=e2e, **kw
+        prompt_tokens=prompt,
+        ok=True,
+        output_tokens=out,
+        chunk_times=chunks,
+        e2e=e2e,
+        timings=timings,
     )
 
 

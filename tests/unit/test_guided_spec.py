@@ -44,7 +44,10 @@ def test_sampling_params_rejects_non_spec() -> None:
     "spec, message",
     [
         (GuidedSpec("regex", "(abc"), "invalid guided regex: Regex parsing error at position 5"),
-        (GuidedSpec("json_schema", '{"type": "foo"}'), 'invalid guided json_schema: Unsupported type "foo"'),
+        (
+            GuidedSpec("json_schema", '{"type": "foo"}'),
+            'invalid guided json_schema: Unsupported type "foo"',
+        ),
         (GuidedSpec("json_schema", "[1, 2]"), "Schema should be an object or bool"),
         (GuidedSpec("grammar", "root ::= "), "invalid guided grammar: EBNF parser error at line 1"),
         (GuidedSpec("grammar", 'start ::= "a"'), "invalid guided grammar"),
@@ -68,6 +71,8 @@ def test_valid_guides_parse() -> None:
 
 
 def test_parser_message_strips_location() -> None:
-    raw = RuntimeError("[14:39:53] /project/cpp/x.cc:94: Check failed: (error.empty()) is false: boom")
+    raw = RuntimeError(
+        "[14:39:53] /project/cpp/x.cc:94: Check failed: (error.empty()) is false: boom"
+    )
     assert parser_message(raw) == "boom"
     assert json.dumps(parser_message(RuntimeError("plain"))) == '"plain"'

@@ -11,7 +11,9 @@ from engine.spec_decode.config import SpeculativeConfig, parse_speculative
 
 def test_ngram_defaults_and_options() -> None:
     assert parse_speculative("ngram") == SpeculativeConfig("ngram", k=4, n=4, min_n=1)
-    assert parse_speculative("ngram:k=2,n=3,min_n=2") == SpeculativeConfig("ngram", k=2, n=3, min_n=2)
+    assert parse_speculative("ngram:k=2,n=3,min_n=2") == SpeculativeConfig(
+        "ngram", k=2, n=3, min_n=2
+    )
     assert parse_speculative(" ngram:k=7 ") == SpeculativeConfig("ngram", k=7)
 
 

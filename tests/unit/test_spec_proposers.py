@@ -30,8 +30,9 @@ def test_ngram_prefers_recent_match_with_full_continuation() -> None:
     # "1 2" occurs at 0 (followed by 3 3) and at 4 (followed by 4 4 ...): the recent one wins.
     tokens = [1, 2, 3, 3, 1, 2, 4, 4, 4, 1, 2]
     assert prop.propose(tokens, 3) == [4, 4, 4]
-    # Only the earliest match has 4 tokens after it.
-    assert prop.propose(tokens, 4) == [3, 3, 1, 2]
+    assert prop.propose(tokens, 5) == [4, 4, 4, 1, 2]
+    # Only the earliest match has 6 tokens after it.
+    assert prop.propose(tokens, 6) == [3, 3, 1, 2, 4, 4]
 
 
 def _empirical(p: torch.Tensor, q: torch.Tensor, n: int) -> torch.Tensor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,45 @@ def test_report_lists_best_and_failures() -> None:
     assert "2x colocated @ 4 req/s: launch_failed: pdserve up exited" in report.text
     assert "E2E <= 500 ms" in report.text
     assert "maxNumSeqs: 8" in report.text
+
+
+def _helm() -> str:
+    root = Path(__file__).resolve().parents[2]
+    local = root / ".tools" / "bin" / "helm"
+    found = str(local) if local.exists() else shutil.which("helm")
+    if not found:
+        raise RuntimeError("helm not found: run `make tools` (installs .tools/bin/helm)")
+    return found
+
+
+@pytest.mark.parametrize(
+    "point",
+    [GridPoint("colocated", 0, 2), GridPoint("disaggregated", 1, 3, 16, 1024)],
+    ids=["colocated", "disaggregated"],
+)
+def test_helm_values_deploy_the_configuration(point: GridPoint, tmp_path: Path) -> None:
+    chart = Path(__file__).resolve().parents[2] / "helm" / "pdserve"
+    values = tmp_path / "values-best.yaml"
+    values.write_text(helm_values(point))
+    rendered = subprocess.run(
+        [_helm(), "template", "t", str(chart), "-f", str(values)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    deployments = {
+        doc["metadata"]["name"]: doc
+        for doc in yaml.safe_load_all(rendered)
+        if doc and doc.get("kind") == "Deployment"
+    }
+
+    def env(name: str) -> dict[str, str]:
+        containers = deployments[name]["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for c in containers for e in c.get("env", [])}
+
+    assert deployments["t-pdserve-prefill"]["spec"]["replicas"] == point.prefill
+    assert deployments["t-pdserve-decode"]["spec"]["replicas"] == point.decode
+    assert env("t-pdserve-router")["PDSERVE_MODE"] == point.mode
+    if point.max_num_seqs is not None:
+        assert env("t-pdserve-decode")["PDSERVE_MAX_NUM_SEQS"] == str(point.max_num_seqs)
+        assert env("t-pdserve-decode")["PDSERVE_MAX_NUM_BATCHED_TOKENS"] == str(
+            point.max_num_batched_tokens
+        )

@@ -1,0 +1,164 @@
+"""AsyncLLMEngine on a tiny model: streaming deltas, abort, bad input, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+pytest_plugins = ["tests.model_fixtures"]
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture()
+async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
+    eng = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 22))
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.shutdown(timeout=DEADLINE_S)
+
+
+async def _collect(
+    eng: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    async def run() -> list[RequestOutput]:
+        return [out async for out in eng.generate(rid, prompt, params)]
+
+    return await asyncio.wait_for(run(), DEADLINE_S)
+
+
+async def _wait_until(pred: object, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_generate_streams_deltas_matching_offline(
+    engine: AsyncLLMEngine, tiny_model_dir: Path
+) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = engine.tokenizer.encode("Once upon a time")
+    outs = await _collect(engine, "s1", prompt, params)
+    assert len(outs) == 8  # one delta per token
+    assert all(len(o.new_token_ids) == 1 for o in outs)
+    assert [o.finished for o in outs] == [False] * 7 + [True]
+    assert outs[-1].finish_reason == "length"
+    assert all(o.logprobs is not None and len(o.logprobs[0].top) == 2 for o in outs)
+    assert outs[0].num_prompt_tokens == len(prompt)
+    tokens = [t for o in outs for t in o.new_token_ids]
+    text = "".join(o.new_text for o in outs)
+    # The same request through the synchronous engine gives the same tokens and text.
+    from engine.llm import LLM
+
+    ref = LLM(str(tiny_model_dir), kv_cache_memory=1 << 22).generate([prompt], params)[0]
+    assert tokens == ref.token_ids and text == ref.text
+    load = engine.get_load()
+    assert load.running == 0 and load.free_blocks == load.total_blocks
+
+
+async def test_concurrent_requests_all_complete(engine: AsyncLLMEngine) -> None:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 5, 1)]
+    results = await asyncio.gather(
+        *(_collect(engine, f"c{i}", [100 + i, 200, 300 + i], p) for i, p in enumerate(params))
+    )
+    assert [sum(len(o.new_token_ids) for o in r) for r in results] == [3, 9, 5, 1]
+
+
+async def test_abort_frees_blocks_and_ends_stream(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    received: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("long", list(range(100, 140)), params):
+            received.append(out)
+
+    task = asyncio.create_task(consume())
+    await _wait_until(lambda: len(received) >= 2, "first tokens")
+    assert engine.get_load().running == 1
+    assert engine.get_load().free_blocks < engine.get_load().total_blocks
+    assert await engine.abort("long")
+    await asyncio.wait_for(task, DEADLINE_S)
+    assert received[-1].finished and received[-1].finish_reason == "abort"
+    assert len(received) < 1000
+    await _wait_until(
+        lambda: (
+            engine.get_load().free_blocks == engine.get_load().total_blocks
+            and engine.get_load().running == 0
+        ),
+        "blocks freed after abort",
+    )
+    assert not await engine.abort("never-existed")
+
+
+async def test_cancelled_consumer_aborts_request(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    seen = 0
+
+    async def consume() -> None:
+        nonlocal seen
+        async for _ in engine.generate("cancel-me", list(range(100, 120)), params):
+            seen += 1
+
+    task = asyncio.create_task(consume())
+    await _wait_until(lambda: seen >= 2, "first tokens")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, DEADLINE_S)
+    await _wait_until(
+        lambda: (
+            engine.get_load().running == 0
+            and engine.get_load().free_blocks == engine.get_load().total_blocks
+        ),
+        "the engine to abort the cancelled request",
+    )
+    assert "cancel-me" not in engine.engine.scheduler.requests
+
+
+@pytest.mark.parametrize(
+    ("prompt", "pattern"),
+    [([], r"prompt must contain at least one token"), ([1, 10**9], r"token ids must be in")],
+)
+async def test_bad_input_raises_value_error(
+    engine: AsyncLLMEngine, prompt: list[int], pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        await _collect(engine, "bad", prompt, SamplingParams())
+    # The engine keeps serving after a rejected request.
+    outs = await _collect(
+        engine, "good", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
+    assert outs[-1].finished
+
+
+async def test_duplicate_live_request_id(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    gen = engine.generate("dup", [5, 6, 7], params)
+    first = await asyncio.wait_for(gen.__anext__(), DEADLINE_S)
+    assert not first.finished
+    with pytest.raises(ValueError, match=r"request_id 'dup' is already in use"):
+        await _collect(engine, "dup", [5, 6], SamplingParams())
+    await gen.aclose()  # leaving early aborts
+    await _wait_until(lambda: engine.get_load().running == 0, "dup aborted")
+
+
+async def test_generate_before_start_and_after_shutdown(tiny_model_dir: Path) -> None:
+    eng = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 22))
+    with pytest.raises(EngineDeadError):
+        await _collect(eng, "x", [1, 2], SamplingParams())
+    await eng.start()
+    await eng.shutdown(timeout=DEADLINE_S)
+    with pytest.raises(EngineDeadError):
+        await _collect(eng, "y", [1, 2], SamplingParams())
