@@ -116,13 +116,11 @@ def write_report(out_dir: Path, rows: Sequence[dict[str, Any]], slo: Slo, comman
     (out_dir / "report.md").write_text(report.text, encoding="utf-8")
     doc = {"slo": asdict(slo), "rows": list(rows), "best": report.best}
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    series: dict[str, list[tuple[float, float]]] = {}
+    series: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     for row in rows:
         if row.get("status") == "ok":
             label = GridPoint(**row["point"]).label
-            series.setdefault(label, []).append(
-                (float(row["rate"]), row["summary"]["goodput"] or 0.0)
-            )
+            series.setdefault(label, []).append((float(row["rate"]), row["summary"]))
     plot_tune(series, out_dir / "tune.png")
     if report.best is not None:
         point = GridPoint(**report.best["point"])

@@ -72,9 +72,11 @@ async def decode_deltas(
         inst.inflight += 1
         try:
             async for chunk in call:
-                if first_chunk:  # timings of the first stream (failovers are not phases)
+                if first_chunk:
                     first_chunk = False
-                    _record_decode_start(leg, trace, chunk, handle)
+                    # Phases are per request: choice 0's first stream stands for them.
+                    if index == 0:
+                        _record_decode_start(leg, trace, chunk, handle)
                 tokens.extend(chunk.token_ids)
                 delta = _delta(job, trace, index, chunk)
                 if delta is not None:

@@ -256,6 +256,7 @@ class InstancePool:
             "instances": {
                 i.url: {
                     "healthy": i.healthy,
+                    "inflight": i.inflight,
                     "waiting": i.load.waiting,
                     "running": i.load.running,
                     "error": i.last_error or None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.metrics import RequestRecord, Summary
 
@@ -81,21 +82,36 @@ def plot_sweep(rows: Sequence[tuple[float, Summary]], path: Path) -> Path:
     return path
 
 
-def plot_tune(series: Mapping[str, Sequence[tuple[float, float]]], path: Path) -> Path:
-    """Goodput against request rate, one line per configuration label."""
+def plot_tune(series: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]], path: Path) -> Path:
+    """Goodput, TTFT and ITL (p50 dashed, p99 solid) against request rate, one colour per
+    configuration label; `series` maps a label to (rate, summary dict) pairs."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.subplots()
-    for label, points in series.items():
-        pts = sorted(points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("goodput (req/s within SLO)")
-    ax.set_title("pdserve tune: goodput per configuration")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    ax_good, ax_ttft, ax_itl = fig.subplots(1, 3)
+    for i, (label, points) in enumerate(series.items()):
+        pts = sorted(points, key=lambda p: p[0])
+        rates = [p[0] for p in pts]
+        colour = f"C{i}"
+        ax_good.plot(
+            rates, [p[1].get("goodput") or 0.0 for p in pts], "o-", color=colour, label=label
+        )
+        for ax, key in ((ax_ttft, "ttft_ms"), (ax_itl, "itl_ms")):
+            for pct, style in (("p50", "--"), ("p99", "-")):
+                ys = [(p[1].get(key) or {}).get(pct, float("nan")) for p in pts]
+                ax.plot(rates, ys, style, marker="o", color=colour, label=f"{label} {pct}")
+    for ax, title, unit in (
+        (ax_good, "goodput (requests within SLO)", "req/s"),
+        (ax_ttft, "TTFT", "ms"),
+        (ax_itl, "ITL", "ms"),
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize="small")
+    fig.suptitle("pdserve tune")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
