@@ -86,6 +86,8 @@ def probe_remote(url: str, timeout_s: float = 2.0) -> None:
 def _import_lmcache() -> Any:
     os.environ["LMCACHE_TRACK_USAGE"] = "false"
     os.environ["DO_NOT_TRACK"] = "1"
+    # LMCache logs every store/retrieve at INFO; keep it to warnings unless asked.
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     from lmcache.v1 import cache_engine, config, metadata
 
     from kv_store import _lmcache_gpu
@@ -123,9 +125,9 @@ class LMCacheConnector(AsyncConnectorBase):
 
     # -- binding ----------------------------------------------------------------------------
     def bind_kv_cache(self, kv_cache: torch.Tensor, layout: Any, model_fingerprint: str) -> None:
-        super().bind_kv_cache(kv_cache, layout, model_fingerprint)
         if self._engine is not None:
             raise RuntimeError("LMCacheConnector.bind_kv_cache() may be called only once")
+        super().bind_kv_cache(kv_cache, layout, model_fingerprint)
         cache_engine, config, metadata, gpu = _import_lmcache()
         cfg = config.LMCacheEngineConfig.from_defaults(
             chunk_size=layout.block_size,

@@ -146,7 +146,7 @@ def create_app(
         prefill_timeout=settings.prefill_timeout,
         prefill_retries=settings.prefill_retries,
         decode_failovers=settings.decode_failovers,
-        shape=processor.shape,
+        processor=processor,
         block_size=processor.block_size,
         estimator=estimator or AutoEstimator(),
     )

@@ -20,6 +20,7 @@ from pdserve.v1 import pdserve_pb2
 from router.errors import APIError
 from router.policies import RouteContext
 from router.pool import Instance
+from router.resume_text import ResumedText
 from router.rpc import (
     LegContext,
     StreamBroken,
@@ -41,10 +42,17 @@ async def decode_deltas(
     index: int,
     generated: list[int],
     handle: pdserve_pb2.KvHandle | None,
+    initial_text: str = "",
 ) -> AsyncIterator[Delta]:
-    """Stream choice ``index`` from decode, failing over to another instance when one is lost."""
+    """Stream choice ``index`` from decode, failing over to another instance when one is lost.
+
+    ``generated`` are tokens the client already has (the prefill's first token), whose text
+    was ``initial_text``.
+    """
     ctx = RouteContext(job.block_hashes, job.user)
     tokens = list(generated)  # everything this choice produced so far (sent on resume)
+    emitted = initial_text  # everything the client has seen of this choice
+    resumed: ResumedText | None = None  # router-side text, from the first failover on
     tried: set[str] = set()
     failovers = 0
     first_chunk = True
@@ -78,11 +86,12 @@ async def decode_deltas(
                     if index == 0:
                         _record_decode_start(leg, trace, chunk, handle)
                 tokens.extend(chunk.token_ids)
-                delta = _delta(job, trace, index, chunk)
+                delta = _delta(job, trace, index, chunk, resumed)
                 if delta is not None:
+                    emitted += delta.text
                     yield delta
-                if chunk.finished:
-                    done = True
+                if chunk.finished or (delta is not None and delta.finish_reason):
+                    done = chunk.finished  # else we stop it (router-side stop): cancel + Abort
                     return
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
@@ -99,6 +108,13 @@ async def decode_deltas(
             _check_resumable(leg, job, exc, inst, failovers)
             leg.decode_pool.mark_failed(inst, describe(exc))
             tried.add(inst.url)
+            resumed = ResumedText(
+                leg.processor,
+                job.params.stop,
+                job.params.skip_special_tokens,
+                emitted,
+                list(tokens),
+            )
             leg.metrics.decode_failovers.inc()
             logger.warning(
                 "decode %s lost on %s (%s); resuming with %d tokens",
@@ -114,15 +130,22 @@ async def decode_deltas(
                 leg.abort_later(inst, rid)
 
 
-def _delta(job: Job, trace: Trace, index: int, chunk: Any) -> Delta | None:
+def _delta(
+    job: Job, trace: Trace, index: int, chunk: Any, resumed: ResumedText | None
+) -> Delta | None:
     """The client-facing delta of one chunk (None for an empty, unfinished chunk)."""
     if chunk.num_cached_tokens and not trace.cached_tokens:
         trace.cached_tokens = chunk.num_cached_tokens
-    if not (chunk.token_ids or chunk.text or chunk.finished):
+    text, finished = chunk.text, chunk.finished
+    finish = (chunk.finish_reason or "stop") if finished else None
+    if resumed is not None:
+        text, stopped = resumed.feed(list(chunk.token_ids), finished)
+        if stopped:
+            finish = "stop"
+    if not (chunk.token_ids or text or finish):
         return None
-    finish = (chunk.finish_reason or "stop") if chunk.finished else None
     lps = logprobs_of(chunk.logprobs) if job.params.logprobs is not None else None
-    return Delta(index, list(chunk.token_ids), chunk.text, lps, finish)
+    return Delta(index, list(chunk.token_ids), text, lps, finish)
 
 
 def _refused_handle(exc: BaseException, handle: pdserve_pb2.KvHandle | None) -> bool:

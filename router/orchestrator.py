@@ -114,7 +114,9 @@ class Orchestrator:
             await prefill.aclose()
         streams = []
         if finish is None:
-            streams.append(decode_deltas(self.leg, job, trace, 0, [first.token_id], handle))
+            streams.append(
+                decode_deltas(self.leg, job, trace, 0, [first.token_id], handle, first.text)
+            )
         streams += [decode_deltas(self.leg, job, trace, i, [], handle) for i in range(1, job.n)]
         async for delta in merge_streams(streams):
             yield delta

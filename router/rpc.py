@@ -15,7 +15,7 @@ from router.errors import APIError
 from router.estimator import AutoEstimator
 from router.metrics import RouterMetrics
 from router.pool import Instance, InstancePool
-from router.tokenizer import ModelShape
+from router.tokenizer import ModelShape, PromptProcessor
 from router.trace import Job, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -46,11 +46,16 @@ class LegContext:
     prefill_timeout: float
     prefill_retries: int
     decode_failovers: int
-    shape: ModelShape
+    processor: PromptProcessor
     block_size: int = 16
     kv_dtype: str = "bfloat16"  # updated from every KvHandle seen (what the estimator prices)
     estimator: AutoEstimator = field(default_factory=AutoEstimator)
     abort_timeout: float = 2.0
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.processor.shape
+
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def abort_later(self, inst: Instance, request_id: str) -> None:

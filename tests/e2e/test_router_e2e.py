@@ -14,7 +14,7 @@ import pytest
 
 from router.tokenizer import PromptProcessor
 from tests.e2e.router_support import metric, running_requests, wait_for
-from tests.service_fixtures import ProcessStack, ServiceProcess
+from tests.service_fixtures import ProcessStack, ServiceProcess, start_router
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -396,3 +396,74 @@ def test_batch_prompts_with_n_and_echo(stack: Stack) -> None:
     # Choice 0 of each prompt uses the request's seed: same as asking for it alone.
     assert by_index[0] == prompts[0] + single[0]
     assert by_index[2] == prompts[1] + single[1]
+
+
+def test_api_key_and_concurrency_limit(stack: Stack, tmp_path: Path) -> None:
+    router = start_router(
+        stack.model_dir,
+        tmp_path / "logs",
+        prefill=[stack.prefill],
+        decode=[stack.decode],
+        extra_args=[
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            "sesame",
+            "--max-concurrent-requests",
+            "1",
+        ],
+    )
+    try:
+        anonymous = openai.OpenAI(
+            base_url=f"{router.url}/v1", api_key="wrong", max_retries=0, timeout=60
+        )
+        with pytest.raises(openai.AuthenticationError):
+            complete(anonymous, max_tokens=2)
+        client = openai.OpenAI(
+            base_url=f"{router.url}/v1", api_key="sesame", max_retries=0, timeout=60
+        )
+        assert complete(client, max_tokens=2).choices[0].text
+        long_stream = complete(
+            client, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(long_stream))  # the one allowed request is now in flight
+        with pytest.raises(openai.RateLimitError):
+            complete(client, max_tokens=2)
+        long_stream.close()
+        wait_for(
+            lambda: (
+                httpx.get(f"{router.url}/health", timeout=10).json()["decode"]["instances"][
+                    stack.decode.address
+                ]["inflight"]
+                == 0
+            ),
+            30,
+            "the slot to free",
+        )
+        assert complete(client, max_tokens=2).choices[0].text
+    finally:
+        router.stop()
+
+
+def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
+    url = stack.decode.metrics_url
+    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        # The client gives up long before 1800 tokens are done, dropping the connection.
+        httpx.post(
+            f"{stack.disagg.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0)
+        )
+    wait_for(
+        lambda: (
+            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+            > cancelled
+        ),
+        30,
+        "decode to see the cancellation",
+    )
+    wait_for(
+        lambda: running_requests(stack.decode.address, "decode") == 0,
+        30,
+        "decode to free the request",
+    )

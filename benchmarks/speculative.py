@@ -1,0 +1,212 @@
+"""Speculative decoding on CPU: tokens/s and acceptance rate, with and without, side by side.
+
+    .venv/bin/python benchmarks/speculative.py          # writes speculative.md and .json here
+
+SmolLM2-135M-Instruct (float32, ``--threads`` torch threads), greedy, ``--max-tokens`` new
+tokens per prompt, prompts run one at a time (batch 1: the latency setting speculation is
+for; ``--batch`` submits each workload's prompts together instead). Two workloads:
+- ``repetitive``: chat prompts whose answers copy from the prompt (rewrite code with a
+  small change, quote sentences from a passage, edit a JSON document);
+- ``open``: open-ended questions whose answers share little with the prompt.
+Configurations: no speculation; ``ngram:k=2`` and ``ngram:k=4`` (prompt lookup);
+``draft:k=3`` with a draft made from SmolLM2's own first ``--draft-layers`` layers (the only
+smaller model sharing its tokenizer available offline; a layer-skip self-draft).
+Every speculative run's outputs are compared with the baseline's (greedy: must be equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine, load_tokenizer  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.models import resolve_model  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+CODE = """def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+"""
+PASSAGE = (
+    'The committee met on Tuesday. "We will not raise the fees this year," the chair said. '
+    'A member asked about the library. "The library will stay open until nine," she replied. '
+    'Another member asked about parking. "Parking stays free for residents," the chair said.'
+)
+DOC = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first program", "city": "London"}'
+WORKLOADS = {
+    "repetitive": [
+        f"Rewrite this Python code, renaming the variable total to acc. Output only code.\n\n{CODE}",
+        f"Read the passage and list every quoted sentence, word for word.\n\n{PASSAGE}",
+        f"Copy this JSON document exactly, changing only the city to Paris.\n\n{DOC}",
+        f"Add a docstring to each function in this code and output the whole code.\n\n{CODE}",
+    ],
+    "open": [
+        "Write a short poem about the sea.",
+        "Why do leaves change colour in autumn?",
+        "Give three tips for learning a new language.",
+        "Describe your ideal weekend.",
+    ],
+}
+
+
+def make_layer_draft(model_dir: str, layers: int, out_dir: Path) -> Path:
+    """A draft model from the first ``layers`` decoder layers of ``model_dir`` (embeddings,
+    final norm and tied head shared): same tokenizer, a fraction of the compute."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = Path(model_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out_dir / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            if ".layers." in key and int(key.split(".layers.")[1].split(".")[0]) >= layers:
+                continue
+            tensors[key] = f.get_tensor(key)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copyfile(src / name, out_dir / name)
+    return out_dir
+
+
+def run_config(
+    model: str, speculative: str | None, prompts: list[list[int]], max_tokens: int, batch: bool
+) -> dict[str, Any]:
+    engine = LLMEngine(EngineConfig(model=model, speculative=speculative, num_kv_blocks=256))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    engine.add_request("warmup", prompts[0][:8], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    if engine.spec is not None:  # count the measured part only
+        engine.spec.stats = type(engine.spec.stats)(engine.spec.stats.method, engine.spec.stats.k)
+    outputs: dict[str, list[int]] = {}
+    steps0 = engine.num_steps
+    t0 = time.perf_counter()
+    groups = [list(enumerate(prompts))] if batch else [[(i, p)] for i, p in enumerate(prompts)]
+    for group in groups:
+        for i, prompt in group:
+            engine.add_request(f"p{i}", prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(v) for v in outputs.values())
+    stats = engine.spec_stats
+    return {
+        "speculative": speculative,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "engine_steps": engine.num_steps - steps0,
+        "acceptance_rate": stats.acceptance_rate if stats else None,
+        "draft_tokens": stats.num_draft_tokens if stats else 0,
+        "accepted_tokens": stats.num_accepted_tokens if stats else 0,
+        "mean_tokens_per_round": stats.mean_tokens_per_round if stats else None,
+        "outputs": [outputs[f"p{i}"] for i in range(len(prompts))],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=6)
+    ap.add_argument("--batch", action="store_true", help="submit each workload's prompts together")
+    ap.add_argument("--output-md", default=str(Path(__file__).with_suffix(".md")))
+    ap.add_argument("--output-json", default=str(Path(__file__).with_suffix(".json")))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    model = resolve_model(args.model)
+    tok = load_tokenizer(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = make_layer_draft(model, args.draft_layers, Path(tmp) / "draft")
+        configs = [None, "ngram:k=2", "ngram:k=4", f"draft:model={draft},k=3"]
+        results: dict[str, list[dict[str, Any]]] = {}
+        for workload, texts in WORKLOADS.items():
+            chats = [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+                )
+                for t in texts
+            ]
+            prompts = [list(tok.encode(c)) for c in chats]
+            runs = [run_config(model, c, prompts, args.max_tokens, args.batch) for c in configs]
+            for r in runs:
+                r["identical_to_baseline"] = r["outputs"] == runs[0]["outputs"]
+                r["speedup"] = r["tokens_per_s"] / runs[0]["tokens_per_s"]
+                if r["speculative"] and r["speculative"].startswith("draft:"):
+                    r["speculative"] = f"draft:model=<SmolLM2 first {args.draft_layers} layers>,k=3"
+            results[workload] = runs
+    report(args, results)
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    lines = [
+        "# Speculative decoding on CPU",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"SmolLM2-135M fp32, greedy, {args.max_tokens} new tokens per prompt, "
+        f"{'prompts batched' if args.batch else 'batch 1 (prompts one after another)'}.",
+        "",
+        "| workload | speculative | tok/s | speedup | acceptance | tokens/round | steps | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for workload, runs in results.items():
+        for r in runs:
+            acc = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "–"
+            tpr = f"{r['mean_tokens_per_round']:.2f}" if r["mean_tokens_per_round"] else "–"
+            lines.append(
+                f"| {workload} | {r['speculative'] or 'off'} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
+                f"| {acc} | {tpr} | {r['engine_steps']} | {'yes' if r['identical_to_baseline'] else 'NO'} |"
+            )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.output_md).write_text(text)
+    slim = {
+        w: [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+        for w, runs in results.items()
+    }
+    Path(args.output_json).write_text(
+        json.dumps({"command": command, "results": slim}, indent=2) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
