@@ -293,7 +293,8 @@ def tune_command(args: argparse.Namespace) -> int:
         rows = run_tune(plan)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    report = write_report(plan.out_dir, rows, plan.slo, " ".join(shlex.quote(a) for a in sys.argv))
+    command = "pdserve " + shlex.join(sys.argv[1:])
+    report = write_report(plan.out_dir, rows, plan.slo, command)
     print(report.text)
     return 0 if report.best is not None else 1
 

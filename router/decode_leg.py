@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,6 +36,80 @@ from router.trace import Delta, Job, Trace
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Choice:
+    """What one choice has produced so far; what a resumed stream starts from."""
+
+    leg: LegContext
+    job: Job
+    trace: Trace
+    index: int
+    tokens: list[int]  # every token of this choice so far (sent on resume)
+    handle: pdserve_pb2.KvHandle | None
+    emitted: str  # every character the client has seen of this choice
+    resumed: ResumedText | None = None  # router-side text, from the first failover on
+    tried: set[str] = field(default_factory=set)
+    failovers: int = 0
+    first_chunk: bool = True
+
+    def request(self, rid: str) -> pdserve_pb2.DecodeRequest:
+        return pdserve_pb2.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=self.job.prompt_ids,
+            generated_token_ids=self.tokens,
+            params=sampling_proto(self.job, self.index),
+            kv_handle=self.handle,
+        )
+
+    def start_router_text(self) -> None:
+        """From now on, text comes from the token ids (see ``router.resume_text``)."""
+        if self.resumed is None:
+            params = self.job.params
+            self.resumed = ResumedText(
+                self.leg.processor,
+                params.stop,
+                params.skip_special_tokens,
+                self.emitted,
+                list(self.tokens),
+            )
+
+    def on_chunk(self, chunk: Any) -> Delta | None:
+        if self.first_chunk:
+            self.first_chunk = False
+            if self.index == 0:  # phases are per request: choice 0's first stream stands for them
+                _record_decode_start(self.leg, self.trace, chunk, self.handle)
+        self.tokens.extend(chunk.token_ids)
+        delta = _delta(self.job, self.trace, self.index, chunk, self.resumed)
+        if delta is not None:
+            self.emitted += delta.text
+        return delta
+
+    def on_failure(self, exc: BaseException, inst: Instance, rid: str) -> None:
+        """Prepare to resume elsewhere, or raise the client-facing error."""
+        leg = self.leg
+        if _refused_handle(exc, self.handle):
+            # Incompatible handle: compute the prompt locally rather than fail the request.
+            leg.metrics.kv_load_fallbacks.labels("handle_refused").inc()
+            logger.warning(
+                "decode %s refused the KV handle (%s); recomputing", inst.url, describe(exc)
+            )
+            self.handle = None
+            return
+        self.failovers += 1
+        _check_resumable(leg, self.job, exc, inst, self.failovers)
+        leg.decode_pool.mark_failed(inst, describe(exc))
+        self.tried.add(inst.url)
+        self.start_router_text()
+        leg.metrics.decode_failovers.inc()
+        logger.warning(
+            "decode %s lost on %s (%s); resuming with %d tokens",
+            rid,
+            inst.url,
+            describe(exc),
+            len(self.tokens),
+        )
+
+
 async def decode_deltas(
     leg: LegContext,
     job: Job,
@@ -43,22 +118,22 @@ async def decode_deltas(
     generated: list[int],
     handle: pdserve_pb2.KvHandle | None,
     initial_text: str = "",
+    router_text: bool = False,
 ) -> AsyncIterator[Delta]:
     """Stream choice ``index`` from decode, failing over to another instance when one is lost.
 
     ``generated`` are tokens the client already has (the prefill's first token), whose text
-    was ``initial_text``.
+    was ``initial_text``. ``router_text``: derive the text from token ids from the start
+    (otherwise only after a failover).
     """
     ctx = RouteContext(job.block_hashes, job.user)
-    tokens = list(generated)  # everything this choice produced so far (sent on resume)
-    emitted = initial_text  # everything the client has seen of this choice
-    resumed: ResumedText | None = None  # router-side text, from the first failover on
-    tried: set[str] = set()
-    failovers = 0
-    first_chunk = True
+    choice = _Choice(leg, job, trace, index, list(generated), handle, initial_text)
+    if router_text:
+        choice.start_router_text()
     while True:
-        inst = leg.decode_pool.select(ctx, exclude=tried) or (
-            leg.decode_pool.select(ctx) if tried else None
+        pool = leg.decode_pool
+        inst = pool.select(ctx, exclude=choice.tried) or (
+            pool.select(ctx) if choice.tried else None
         )
         if inst is None:
             raise APIError(
@@ -67,28 +142,14 @@ async def decode_deltas(
                 code="decode_unavailable",
             )
         trace.decode_instances.append(inst.url)
-        rid = f"{job.request_id}-{index}" + (f"-r{failovers}" if failovers else "")
-        request = pdserve_pb2.DecodeRequest(
-            request_id=rid,
-            prompt_token_ids=job.prompt_ids,
-            generated_token_ids=tokens,
-            params=sampling_proto(job, index),
-            kv_handle=handle,
-        )
-        call = inst.stub.Decode(request, timeout=deadline_for(job))
+        rid = f"{job.request_id}-{index}" + (f"-r{choice.failovers}" if choice.failovers else "")
+        call = inst.stub.Decode(choice.request(rid), timeout=deadline_for(job))
         done = False
         inst.inflight += 1
         try:
             async for chunk in call:
-                if first_chunk:
-                    first_chunk = False
-                    # Phases are per request: choice 0's first stream stands for them.
-                    if index == 0:
-                        _record_decode_start(leg, trace, chunk, handle)
-                tokens.extend(chunk.token_ids)
-                delta = _delta(job, trace, index, chunk, resumed)
+                delta = choice.on_chunk(chunk)
                 if delta is not None:
-                    emitted += delta.text
                     yield delta
                 if chunk.finished or (delta is not None and delta.finish_reason):
                     done = chunk.finished  # else we stop it (router-side stop): cancel + Abort
@@ -96,33 +157,7 @@ async def decode_deltas(
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True
-            if _refused_handle(exc, handle):
-                # Incompatible handle: compute the prompt locally rather than fail the request.
-                leg.metrics.kv_load_fallbacks.labels("handle_refused").inc()
-                logger.warning(
-                    "decode %s refused the KV handle (%s); recomputing", inst.url, describe(exc)
-                )
-                handle = None
-                continue
-            failovers += 1
-            _check_resumable(leg, job, exc, inst, failovers)
-            leg.decode_pool.mark_failed(inst, describe(exc))
-            tried.add(inst.url)
-            resumed = ResumedText(
-                leg.processor,
-                job.params.stop,
-                job.params.skip_special_tokens,
-                emitted,
-                list(tokens),
-            )
-            leg.metrics.decode_failovers.inc()
-            logger.warning(
-                "decode %s lost on %s (%s); resuming with %d tokens",
-                rid,
-                inst.url,
-                describe(exc),
-                len(tokens),
-            )
+            choice.on_failure(exc, inst, rid)
         finally:
             inst.inflight -= 1
             if not done:

@@ -105,7 +105,15 @@ class Orchestrator:
             finish = (first.finish_reason or "stop") if first.finished else None
             if finish is None and job.max_tokens <= 1:
                 finish = "length"
-            yield Delta(0, [first.token_id], first.text, first.logprobs, finish)
+            text = first.text
+            # Prefill flushes its text when its one-token request ends, so a first token that
+            # is half a UTF-8 character arrives as U+FFFD; the decode instance counts that as
+            # shown and would never send the completed character. Hold it back and let the
+            # router derive this choice's text from the token ids instead.
+            router_text = finish is None and text.endswith("\ufffd")
+            if router_text:
+                text = text[:-1]
+            yield Delta(0, [first.token_id], text, first.logprobs, finish)
             if finish is not None and job.n == 1:
                 return  # the first token ended it: no decode (closing ``prefill`` cancels it)
             event = await anext(prefill)
@@ -115,7 +123,7 @@ class Orchestrator:
         streams = []
         if finish is None:
             streams.append(
-                decode_deltas(self.leg, job, trace, 0, [first.token_id], handle, first.text)
+                decode_deltas(self.leg, job, trace, 0, [first.token_id], handle, text, router_text)
             )
         streams += [decode_deltas(self.leg, job, trace, i, [], handle) for i in range(1, job.n)]
         async for delta in merge_streams(streams):

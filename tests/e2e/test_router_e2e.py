@@ -467,3 +467,87 @@ def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
         30,
         "decode to free the request",
     )
+
+
+def test_sampling_parameters_reach_the_engine(stack: Stack) -> None:
+    """Seeded sampling with every knob set: the router (both modes) matches the offline
+    engine token for token, so no parameter is lost or altered on the way."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    knobs = {
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.01,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.3,
+    }
+    offline = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4).generate(
+        [PROMPT], SamplingParams(max_tokens=16, seed=11, ignore_eos=True, **knobs)
+    )[0]
+    plain = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4).generate(
+        [PROMPT], SamplingParams(max_tokens=16, seed=11, ignore_eos=True, temperature=0.9)
+    )[0]
+    assert plain.text != offline.text, (
+        "the knobs must change the sample for this test to mean anything"
+    )
+    extra = {"ignore_eos": True, "top_k": 40, "min_p": 0.01, "repetition_penalty": 1.3}
+    for router in (stack.disagg, stack.colocated):
+        out = complete(
+            stack.client(router),
+            max_tokens=16,
+            seed=11,
+            temperature=0.9,
+            top_p=0.9,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            extra_body=extra,
+        )
+        assert out.choices[0].text == offline.text, router.name
+
+
+def test_first_token_split_utf8_character(stack: Stack) -> None:
+    """A first token that is half a UTF-8 character: the router holds the replacement
+    character back and derives the text itself, matching the offline engine's text."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(stack.model_dir), num_kv_blocks=512, max_num_seqs=64)
+    proc = PromptProcessor.from_model_dir(stack.model_dir)
+    prompt: list[int] | None = None
+    for start in range(0, 4000, 400):  # ~0.5 % of first tokens are partial characters
+        batch = [[1000 + i, 2000 + i] for i in range(start, start + 400)]
+        outs = llm.generate(batch, SamplingParams(max_tokens=1, temperature=0.0))
+        hits = [
+            p
+            for p, o in zip(batch, outs, strict=True)
+            if proc.decode(o.token_ids).endswith("\ufffd")
+        ]
+        if hits:
+            prompt = hits[0]
+            break
+    assert prompt is not None, "no prompt whose first token is a partial character"
+    expected = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )[0]
+    chunks = [
+        c.choices[0].text
+        for c in complete(
+            stack.client(),
+            prompt=prompt,
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    ]
+    assert not chunks[0].endswith("\ufffd")
+    assert "".join(chunks) == expected.text
+    assert (
+        complete(stack.client(), prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
+        .choices[0]
+        .text
+        == expected.text
+    )
