@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.v1 import pdserve_pb2 as pb
+from prefill_service.errors import IncompatibleKvHandle
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput, TokenLogprob
@@ -106,7 +107,7 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
     theirs = {key: getattr(handle, key) for key in mine}
     diffs = [f"{key} {theirs[key]!r} != {mine[key]!r}" for key in mine if theirs[key] != mine[key]]
     if diffs:
-        raise ValueError(
+        raise IncompatibleKvHandle(
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)
         )

@@ -3,7 +3,9 @@
 Servicers raise plain Python errors; this layer turns them into status codes so that every
 RPC answers the same way:
 
-- ``ValueError`` (bad prompt, bad sampling parameters, incompatible KV handle) → INVALID_ARGUMENT
+- ``IncompatibleKvHandle`` (handle from another model / dtype / layout) → FAILED_PRECONDITION,
+  which the router answers by recomputing the prompt on decode instead of failing the client
+- ``ValueError`` (bad prompt, bad sampling parameters) → INVALID_ARGUMENT
 - ``EngineFull`` → RESOURCE_EXHAUSTED
 - ``ServiceUnavailable`` (draining, KV save/load failed), ``KVStoreError``, ``KVRecordError``,
   ``ConnectionError``, and the types passed as ``unavailable`` (the engine's
@@ -36,6 +38,11 @@ class ServiceUnavailable(RuntimeError):
     """The service cannot take this request now (draining, store down); try another instance."""
 
 
+class IncompatibleKvHandle(ValueError):
+    """The KvHandle was written by an engine with another model, dtype or KV layout: a
+    deployment mismatch, not bad client input."""
+
+
 class EngineFull(RuntimeError):
     """The engine's waiting queue is at its limit; try later or elsewhere."""
 
@@ -54,6 +61,8 @@ def status_for(
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, IncompatibleKvHandle):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ValueError | TypeError):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

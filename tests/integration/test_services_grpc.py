@@ -230,7 +230,7 @@ def test_decode_refuses_incompatible_handle(stubs, field: str, value: object) ->
                 timeout=RPC_TIMEOUT,
             )
         )
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "incompatible kv_handle" in info.value.details() and field in info.value.details()
 
 
