@@ -4,10 +4,11 @@ Starts the KV store when one is needed and not given (``redis-server`` or ``lmca
 on a free port; the ``fs`` store is a temporary directory), N prefill and M decode services,
 and the router on ``--host:--port``. Each child runs in its own process group with its
 output in a log file, and each engine process gets a fair share of the cores as torch
-threads. It waits (with a deadline) until every part reports healthy, prints a line
-containing ``pdserve is ready``, then supervises: Ctrl-C or SIGTERM stops everything
-(SIGTERM to each group, SIGKILL after a grace period), and a child that dies takes the
-system down with an error naming it and the tail of its log. The kernel also signals the
+threads; with ``--gpus N`` / ``--gpu-ids`` each engine is pinned to one GPU
+(``CUDA_VISIBLE_DEVICES``). It waits (with a deadline) until every part reports healthy,
+prints a line containing ``pdserve is ready``, then supervises: Ctrl-C or SIGTERM stops
+everything (SIGTERM to each group, SIGKILL after a grace period), and a child that dies takes
+the system down with an error naming it and the tail of its log. The kernel also signals the
 children if the launcher itself is killed (PR_SET_PDEATHSIG), so nothing is left behind.
 
 Torch-free: only the children load engines.
@@ -64,6 +65,7 @@ class Child:
     log_path: Path
     probe: Probe
     proc: subprocess.Popen[bytes] | None = None
+    env_extra: dict[str, str] = field(default_factory=dict)  # e.g. this engine's GPU
 
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:
@@ -72,7 +74,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={**env, **self.env_extra},
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -311,22 +313,64 @@ def _require_tool(name: str, hint: str) -> str:
     return found
 
 
-def _engine_flags(
-    args: argparse.Namespace, model_dir: str, threads: int, engines: int
-) -> list[str]:
+def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
+    """Flags every engine service gets (the GPU share is added per engine)."""
     flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
-    if args.device == "cuda" and engines > 1:
-        # Each engine sizes its KV cache as a fraction of the whole GPU: engines sharing one
-        # GPU must split the usual 0.9 between them.
-        flags += ["--gpu-memory-utilization", f"{0.9 / engines:.3f}"]
     for flag, value in (
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--kv-cache-memory", args.kv_cache_memory),
+        ("--load-format", args.load_format),
+        ("--dtype", args.dtype),
+        ("--attention-backend", args.attention_backend),
+        ("--max-model-len", args.max_model_len),
     ):
         if value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def gpu_ids(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str] | None:
+    """The GPUs to spread engines over (``--gpu-ids``, or the first ``--gpus`` of the visible
+    ones), or None when engines are not pinned. LaunchError on misuse."""
+    gpus: int | None = getattr(args, "gpus", None)
+    ids: str | None = getattr(args, "gpu_ids", None)
+    if gpus is None and ids is None:
+        return None
+    if gpus is not None and ids is not None:
+        raise LaunchError("give --gpus N or --gpu-ids LIST, not both")
+    if args.device != "cuda":
+        raise LaunchError("--gpus / --gpu-ids need --device cuda")
+    if ids is not None:
+        chosen = [part.strip() for part in ids.split(",") if part.strip()]
+        if not chosen or len(set(chosen)) != len(chosen):
+            raise LaunchError(f"--gpu-ids must list distinct GPU ids, got {ids!r}")
+        return chosen
+    count = int(gpus or 0)
+    # --gpus N counts from what this process may see, so an outer CUDA_VISIBLE_DEVICES holds.
+    visible = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    pool = [p.strip() for p in visible.split(",") if p.strip()] if visible else None
+    if pool is not None and len(pool) < count:
+        raise LaunchError(f"--gpus {count} but CUDA_VISIBLE_DEVICES={visible!r} lists fewer")
+    return (pool or [str(i) for i in range(count)])[:count]
+
+
+def assign_gpus(num_engines: int, ids: list[str] | None) -> list[str | None]:
+    """GPU of each engine, in launch order (prefill instances first, then decode):
+    round-robin over ``ids``; all None when engines are not pinned."""
+    if not ids:
+        return [None] * num_engines
+    return [ids[i % len(ids)] for i in range(num_engines)]
+
+
+def gpu_share_flags(device: str, gpu: str | None, gpus: list[str | None]) -> list[str]:
+    """``--gpu-memory-utilization`` for one engine: each engine sizes its KV cache as a
+    fraction of its whole GPU, so engines sharing one GPU split the usual 0.9 between them
+    (unpinned engines all share the one default GPU)."""
+    sharing = sum(1 for other in gpus if other == gpu)
+    if device != "cuda" or sharing < 2:
+        return []
+    return ["--gpu-memory-utilization", f"{0.9 / sharing:.3f}"]
 
 
 def build_plan(
@@ -339,7 +383,8 @@ def build_plan(
     connector_flags, store = (
         ([], None) if args.mode == "colocated" else _connector_flags(launcher, args)
     )
-    engine_flags = _engine_flags(args, model_dir, threads, num_engines)
+    engine_flags = _engine_flags(args, model_dir, threads)
+    gpus = assign_gpus(num_engines, gpu_ids(args))
     ports = free_ports(2 * num_engines)
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     services: list[Child] = []
@@ -348,13 +393,20 @@ def build_plan(
             port, metrics_port = ports.pop(), ports.pop()
             address = f"127.0.0.1:{port}"
             listen = f"--host 127.0.0.1 --port {port} --metrics-port {metrics_port}".split()
-            argv = launcher.python(role, *listen, *engine_flags, *connector_flags)
-            services.append(launcher.add(f"{role}-{i}", argv, grpc_probe(address)))
+            gpu = gpus[len(services)]
+            share = gpu_share_flags(args.device, gpu, gpus)
+            argv = launcher.python(role, *listen, *engine_flags, *share, *connector_flags)
+            child = launcher.add(f"{role}-{i}", argv, grpc_probe(address))
+            if gpu is not None:
+                child.env_extra["CUDA_VISIBLE_DEVICES"] = gpu
+                logger.info("%s-%d on GPU %s", role, i, gpu)
+            services.append(child)
             urls[role].append(address)
     router_argv = launcher.python(
         *["router", "--host", args.host, "--port", str(args.port), "--mode", args.mode],
         *["--model", model_dir, "--served-model-name", args.model],
         *["--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])],
+        *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
     )
     router = launcher.add(
         "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
@@ -396,6 +448,7 @@ def run_up(args: argparse.Namespace) -> int:
     """Entry point of `pdserve up`: 0 after a requested stop, 1 when a part failed."""
     try:
         _check_counts(args)
+        gpu_ids(args)  # misuse of --gpus / --gpu-ids fails before anything starts
         _check_port_free(args.host, args.port)
         from pdserve.models import resolve_model
 
@@ -482,6 +535,12 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-num-seqs", {"type": positive_int, "help": "per engine"}),
     ("--max-num-batched-tokens", {"type": positive_int, "help": "per engine"}),
     ("--kv-cache-memory", {"type": memory_size, "help": "KV cache per engine, e.g. 512M"}),
+    ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),
+    ("--gpu-ids", {"help": "spread engines round-robin over these GPUs, e.g. 0,1"}),
+    ("--load-format", {"choices": ["auto", "dummy"], "help": "dummy = random weights"}),
+    ("--dtype", {"choices": ["auto", "float32", "bfloat16", "float16"], "help": "per engine"}),
+    ("--attention-backend", {"help": "per engine, e.g. triton (engine default if unset)"}),
+    ("--max-model-len", {"type": positive_int, "help": "per engine and router"}),
     (
         "--torch-threads",
         {"type": non_negative_int, "default": 0, "help": "per engine; 0 = cores // engines"},

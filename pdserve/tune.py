@@ -209,7 +209,9 @@ def run_point(plan: TunePlan, point: GridPoint, rates: list[float], results: Res
             )
             (run,) = asyncio.run(run_serve(config))
             s = run.summary
-            results.append(point_row(point, rate, "ok", label=point.label, summary=s.to_dict()))
+            # The host's load average says how much others competed for the cores.
+            row = point_row(point, rate, "ok", label=point.label, summary=s.to_dict())
+            results.append({**row, "host_loadavg": os.getloadavg(), "cpus": os.cpu_count()})
             log.info(
                 "%s @ %g req/s: goodput %.3f req/s, %d failed",
                 point.label,

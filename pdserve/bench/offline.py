@@ -64,30 +64,16 @@ class ThroughputResult:
     steps: StepStats
     output_lens: list[int] = field(default_factory=list)
 
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def input_tokens_per_s(self) -> float:
-        return self.input_tokens / self.elapsed_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.input_tokens + self.output_tokens) / self.elapsed_s
-
     def to_dict(self) -> dict[str, Any]:
+        """Counts, times and the derived rates (per second of wall time)."""
         d = asdict(self)
         d.pop("output_lens")
+        t = self.elapsed_s
         d.update(
-            requests_per_s=self.requests_per_s,
-            input_tokens_per_s=self.input_tokens_per_s,
-            output_tokens_per_s=self.output_tokens_per_s,
-            total_tokens_per_s=self.total_tokens_per_s,
+            requests_per_s=self.num_requests / t,
+            input_tokens_per_s=self.input_tokens / t,
+            output_tokens_per_s=self.output_tokens / t,
+            total_tokens_per_s=(self.input_tokens + self.output_tokens) / t,
         )
         return d
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -84,6 +85,9 @@ def result_json(config: ServeConfig, runs: list[RateRun], with_requests: bool) -
     """The `--result-json` document: the configuration and one entry per rate."""
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # Competing load on the client's host (1, 5, 15 min), for reading noisy numbers.
+        "host_loadavg": os.getloadavg(),
+        "cpus": os.cpu_count(),
         "config": {
             "target": asdict(config.target),
             "workload": asdict(config.workload),

@@ -50,6 +50,12 @@ class LoadSpec:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
         if self.max_requests is None and self.duration_s is None:
             raise ValueError("a run needs a bound: a number of prompts or a duration")
+        if self.max_requests is None and math.isinf(self.request_rate) and not self.max_concurrency:
+            # every send time would be 0: an endless burst within the duration
+            raise ValueError(
+                "a run bounded only by --duration needs a finite --request-rate "
+                "or a --max-concurrency"
+            )
         if self.num_warmups < 0:
             raise ValueError(f"number of warm-ups must be >= 0, got {self.num_warmups}")
 

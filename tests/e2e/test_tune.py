@@ -79,7 +79,9 @@ def test_two_point_tune_killed_and_resumed(tiny_model_dir: Path, tmp_path: Path)
         assert summary["completed"] == 6 and summary["failed"] == 0
         assert summary["good_requests"] == 6
     report = (out / "report.md").read_text()
-    assert "| 2x colocated | 4 |" in report and "1P+1D disagg" in report and "Best:" in report
+    for label in ("2x colocated", "1P+1D disagg"):  # the best one is in bold
+        assert re.search(rf"\| (\*\*)?{re.escape(label)}(\*\*)? \| 4 \|", report), report
+    assert "Best:" in report
     values = yaml.safe_load((out / "values-best.yaml").read_text())
     assert set(values) == {"prefill", "decode", "router"}
     assert values["router"]["mode"] in ("colocated", "disaggregated")

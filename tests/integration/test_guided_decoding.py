@@ -189,28 +189,30 @@ def test_smollm2_seeded_runs_obey_guides(smollm2_dir: Path) -> None:
     from engine.llm import LLM
 
     llm = LLM(str(smollm2_dir), num_kv_blocks=256)
-    questions = {
-        "json_schema": "Describe a user account as JSON with name, age and role.",
-        "json_object": "Give me a small JSON object with two short keys describing a cat.",
-        "regex": "Invent a product code.",
-        "choice": "What colour is the sky?",
-        "grammar": "Write a digit in parentheses.",
-    }
+    cat = "Reply with a JSON object with the keys name and color for a cat."
+    runs = [  # (kind, question, temperature, seeds)
+        ("json_schema", "Describe a user account as JSON with name, age and role.", 0.8, range(4)),
+        ("regex", "Invent a product code.", 0.8, range(4)),
+        ("choice", "What colour is the sky?", 0.8, range(4)),
+        ("grammar", "Write a digit in parentheses.", 0.8, range(2)),
+        # json_object is unbounded (any object): a small model can ramble in an array until
+        # max_tokens; a plain question and a frequency penalty keep it short.
+        ("json_object", cat, 0.5, range(1, 3)),
+        ("json_object", cat.replace("cat", "dog"), 0.0, range(1)),
+    ]
     prompts, params, kinds = [], [], []
-    for kind, question in questions.items():
+    for kind, question, temperature, seeds in runs:
         chat = llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
-        runs = 2 if kind in ("json_object", "grammar") else 4
-        for seed in range(runs):
+        for seed in seeds:
             prompts.append(chat)
-            # json_object is unbounded (any object): a longer budget and a cooler temperature.
-            long = kind == "json_object"
             params.append(
                 SamplingParams(
-                    max_tokens=128 if long else 64,
-                    temperature=0.5 if long else 0.8,
+                    max_tokens=96,
+                    temperature=temperature,
                     seed=seed,
+                    frequency_penalty=0.5 if kind == "json_object" else 0.0,
                     guided=SPECS[kind],
                 )
             )

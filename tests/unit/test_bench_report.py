@@ -91,3 +91,22 @@ def test_record_json() -> None:
     d = record_to_dict(records()[0])
     assert d["ttft"] == pytest.approx(0.1) and d["tpot"] == pytest.approx(0.1)
     assert d["chunk_times"] == [0.1, 0.2, 0.3]
+
+
+def test_load_spec_validation() -> None:
+    from pdserve.bench.serve_runner import LoadSpec
+
+    LoadSpec(max_requests=None, duration_s=5, request_rate=2.0).validate()
+    LoadSpec(max_requests=None, duration_s=5, max_concurrency=4).validate()
+    for spec, msg in (
+        (LoadSpec(max_requests=None, duration_s=None), "needs a bound"),
+        (LoadSpec(max_requests=None, duration_s=5), "finite --request-rate"),
+        (LoadSpec(max_concurrency=0), "concurrency"),
+        (LoadSpec(max_requests=0), "number of prompts"),
+        (LoadSpec(duration_s=0), "duration"),
+        (LoadSpec(num_warmups=-1), "warm-ups"),
+        (LoadSpec(request_rate=-1), "rate"),
+        (LoadSpec(burstiness=0), "burstiness"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            spec.validate()
