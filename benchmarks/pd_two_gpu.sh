@@ -164,6 +164,7 @@ stop_redis() {
   wait "$REDIS_PID" 2>/dev/null
   REDIS_PID=""
 }
+# shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() { stop_up; stop_redis; rm -rf "$KV_DIR" "$WORK"; }
 trap cleanup EXIT
 trap 'log "interrupted"; exit 130' INT TERM
@@ -253,11 +254,10 @@ run_config() {
     [ "$rc" = 0 ] || failures+=" rate $rate: bench serve exit $rc$([ "$rc" = 124 ] && echo " (time limit)");"
     i=$((i + 1)) warm=0
   done
-  if [ -z "$failures" ]; then
-    echo "ok: ready after ${startup}s, bench $(($(date +%s) - t0 - startup))s${placement:+; $placement}" >"$dir/status"
-  else
-    echo "partly failed:$failures (ready after ${startup}s${placement:+; $placement})" >"$dir/status"
-  fi
+  local verdict="partly failed:$failures"
+  [ -z "$failures" ] && verdict="ok:"
+  ls "$dir"/bench-*.json >/dev/null 2>&1 || verdict="failed, no rate completed:$failures"
+  echo "$verdict ready after ${startup}s, bench $(($(date +%s) - t0 - startup))s${placement:+; $placement}" >"$dir/status"
   stop_up
   stop_redis
   rm -rf "$KV_DIR"

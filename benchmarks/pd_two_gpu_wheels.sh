@@ -38,7 +38,7 @@ rm -rf "$CARRY"
 mkdir -p "$CARRY/wheels" "$CARRY/redis/bin" "$CARRY/redis/libexec" "$CARRY/redis/lib"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
   --implementation cp "${PLATFORMS[@]}" -d "$CARRY/wheels" "${PACKAGES[@]}"
-count=$(ls "$CARRY"/wheels/*.whl | wc -l)
+count=$(find "$CARRY/wheels" -name "*.whl" | wc -l)
 if [ "$count" -ne "${#PACKAGES[@]}" ]; then
   echo "expected ${#PACKAGES[@]} wheels, got $count" >&2
   exit 1

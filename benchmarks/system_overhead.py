@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import platform
+import select
 import shlex
 import signal
 import socket
@@ -313,6 +315,82 @@ async def stream_inprocess(
     return Stream(times, tokens, "".join(parts))
 
 
+async def worker_main(model_dir: str, kv_cache_memory: str) -> None:
+    """``--engine-worker``: hold both engines and serve requests from stdin, one JSON line
+    each (``[path, request_id, prompt, max_tokens]``), answering ``RESULT <stream json>``."""
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm_engine import LLMEngine
+
+    config = engine_config(Path(model_dir), kv_cache_memory)
+    sync_engine, engine = LLMEngine(config), AsyncLLMEngine(config)
+    await engine.start()
+    print("READY", flush=True)  # the protocol with EngineWorker, not a report
+    try:
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            path, rid, prompt, max_tokens = json.loads(line)
+            if path == "engine-sync":
+                stream = stream_sync(sync_engine, rid, prompt, max_tokens)
+            else:
+                stream = await stream_inprocess(engine, rid, prompt, max_tokens)
+            print("RESULT " + json.dumps(asdict(stream)), flush=True)
+    finally:
+        await engine.shutdown()
+
+
+class EngineWorker:
+    """The in-process engines in a child process of their own, set up like a service's
+    (own session, 1 torch thread, the launcher's thread variables), so that the client's
+    work never shares their process. Times are taken inside the child; the pipe is outside
+    every measured interval."""
+
+    def __init__(self, model_dir: Path, kv_cache_memory: str, timeout_s: float) -> None:
+        self.argv = [sys.executable, str(Path(__file__).resolve()), "--engine-worker"]
+        self.argv += [str(model_dir), kv_cache_memory]
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> EngineWorker:
+        env = os.environ | ENGINE_ENV | {"PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+        self._expect("READY", self.timeout_s)
+        return self
+
+    def _expect(self, prefix: str, timeout_s: float) -> str:
+        """The next stdout line starting with ``prefix`` (RuntimeError on exit or timeout)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"engine worker exited with status {self.proc.wait()}")
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        raise RuntimeError(f"engine worker: no {prefix!r} within {timeout_s:.0f} s")
+
+    async def run(self, path: str, request_id: str, prompt: list[int], max_tokens: int) -> Stream:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([path, request_id, prompt, max_tokens]) + "\n")
+        self.proc.stdin.flush()
+        return Stream(**json.loads(self._expect("RESULT ", 60.0)))
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # EOF: the worker shuts its engine down and exits
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
 # -- the HTTP client -----------------------------------------------------------------------
 def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """Streamed greedy completion of token ids with usage and the router's phase timings."""
@@ -371,7 +449,7 @@ async def _stream_http(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 
 async def interleaved(
-    engines: tuple[Any, Any],
+    worker: EngineWorker,
     client: httpx.AsyncClient,
     urls: dict[str, str],
     model: str,
@@ -382,16 +460,13 @@ async def interleaved(
     per prompt, so that all paths see the same (shifting) load on this shared machine; after
     each router request, one ``GET /v1/models`` round trip (seconds; the HTTP floor). The
     first ``args.warmup`` prompts are not kept. Any failed request aborts the run."""
-    sync_engine, async_engine = engines
     paths = ["engine-sync", "in-process", *urls]
     streams: dict[str, list[Stream]] = {p: [] for p in paths}
     floors: dict[str, list[float]] = {p: [] for p in urls}
     for i, prompt in enumerate(prompts):
         for path in paths[i % len(paths) :] + paths[: i % len(paths)]:
-            if path == "engine-sync":
-                s = stream_sync(sync_engine, f"sync-{i}", prompt, args.output_len)
-            elif path == "in-process":
-                s = await stream_inprocess(async_engine, f"inproc-{i}", prompt, args.output_len)
+            if path in ("engine-sync", "in-process"):
+                s = await worker.run(path, f"{path}-{i}", prompt, args.output_len)
             else:
                 body = request_body(model, prompt, args.output_len)
                 s = await stream_http(client, urls[path], body, args.request_timeout)
@@ -520,31 +595,16 @@ async def measure(
     """The interleaved low-load series (streams, HTTP floors), then each system's sweep."""
     urls = {m: f"http://127.0.0.1:{up.port}/v1/completions" for m, up in ups.items()}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
-
-    config = engine_config(model_dir, args.kv_cache_memory)
-    sync_engine, engine = LLMEngine(config), AsyncLLMEngine(config)
-    await engine.start()
-    try:
+    with EngineWorker(model_dir, args.kv_cache_memory, args.startup_timeout) as worker:
         async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-            engines = (sync_engine, engine)
-            streams, floors = await interleaved(
-                engines, client, urls, str(model_dir), prompts, args
-            )
-            await engine.shutdown()  # idle during the sweeps, but out of the way
-            sweeps: dict[str, list[dict[str, Any]]] = {m: [] for m in urls}
-            for mode, url in urls.items():
-                for c in args.concurrency:
-                    batch = sweep_prompts[: max(args.sweep_requests_per_stream * c, args.sweep_min)]
-                    sweeps[mode].append(
-                        await closed_loop(client, url, str(model_dir), batch, c, args)
-                    )
-                    logger.info(
-                        "%s, %d streams: %.1f req/s", mode, c, sweeps[mode][-1]["req_per_s"]
-                    )
-    finally:
-        await engine.shutdown()
+            streams, floors = await interleaved(worker, client, urls, str(model_dir), prompts, args)
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        sweeps: dict[str, list[dict[str, Any]]] = {m: [] for m in urls}
+        for mode, url in urls.items():
+            for c in args.concurrency:
+                batch = sweep_prompts[: max(args.sweep_requests_per_stream * c, args.sweep_min)]
+                sweeps[mode].append(await closed_loop(client, url, str(model_dir), batch, c, args))
+                logger.info("%s, %d streams: %.1f req/s", mode, c, sweeps[mode][-1]["req_per_s"])
     return streams, floors, sweeps
 
 
@@ -575,15 +635,31 @@ def system_result(
 
 
 # -- main ------------------------------------------------------------------------------------
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from tests.model_fixtures import make_tiny_llama
+# What `pdserve up` gives each engine process; the in-process engines get the same.
+ENGINE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+
+def build_model(out_dir: Path) -> Path:
+    """The tiny Llama, built in a child process: this one then holds no transformers model
+    objects, like the services' processes."""
+    code = (
+        "import sys; from tests.model_fixtures import make_tiny_llama; make_tiny_llama(sys.argv[1])"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run(
+        [sys.executable, "-c", code, str(out_dir)], cwd=REPO, env=env, check=True,
+        capture_output=True, timeout=300,
+    )  # fmt: skip
+    return out_dir
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start, loadavg_start = time.perf_counter(), os.getloadavg()
     prompts = random_prompts(args.warmup + args.requests, args.prompt_len, VOCAB, seed=args.seed)
     sweep_n = max(args.sweep_requests_per_stream * max(args.concurrency), args.sweep_min)
     sweep_prompts = random_prompts(sweep_n, args.prompt_len, VOCAB, seed=args.seed + 1)
     with tempfile.TemporaryDirectory(prefix="system-overhead-") as tmp, ExitStack() as stack:
-        model_dir = make_tiny_llama(Path(tmp) / "tiny-llama")
+        model_dir = build_model(Path(tmp) / "tiny-llama")
         ups = {
             m: stack.enter_context(
                 PdserveUp(up_argv(m, model_dir, free_port(), args), args.startup_timeout)
@@ -665,9 +741,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     args = parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)  # the in-process engine gets what each service gets
     result = asyncio.run(run(args))
     args.output_json.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
     md = render_markdown(result)
@@ -682,5 +755,18 @@ def _jsonable(obj: object) -> object:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def _worker_entry(model_dir: str, kv_cache_memory: str) -> int:
+    logging.basicConfig(level=logging.WARNING)  # stderr; stdout carries the protocol
+    import torch
+
+    torch.set_num_threads(1)  # what `pdserve up --torch-threads 1` gives each service
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    asyncio.run(worker_main(model_dir, kv_cache_memory))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--engine-worker"]:
+        sys.exit(_worker_entry(*sys.argv[2:4]))
     sys.exit(main())

@@ -279,3 +279,33 @@ def test_bench_serve_against_pdserve_up(
     assert s["output_tokens"] == 30  # ignore_eos: exactly max_tokens each
     assert s["good_requests"] == 6
     assert s["phase_ms"], "the router returned no pdserve_timings"
+
+
+def test_guidellm_runs_against_pdserve_up(
+    pdserve_up: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The outside client of docs/bench.md works against our router: every request
+    completes with exactly the asked output length (guidellm sends ignore_eos, stop=null,
+    stream_options.continuous_usage_stats)."""
+    binary = Path(sys.executable).parent / "guidellm"
+    if not binary.exists():
+        raise RuntimeError(f"{binary} missing: pip install guidellm into the venv")
+    served = httpx.get(f"{pdserve_up}/v1/models", timeout=10, trust_env=False).json()
+    model = served["data"][0]["id"]
+    out = tmp_path / "guidellm.json"
+    proc = subprocess.run(
+        [str(binary), "run",
+         "--backend", f"kind=openai_http,target={pdserve_up},model={model},"
+                      "request_format=/v1/completions",
+         "--tokenizer", f"kind=huggingface_auto,model={tiny_model_dir}",
+         "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=5",
+         "--profile", "kind=concurrent,streams=2",
+         "--constraint", "kind=max_requests,count=6",
+         "--output", f"kind=json,path={out}", "--disable-progress"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    assert bench["metrics"]["request_totals"]["successful"] == 6, bench["metrics"]["request_totals"]
+    assert bench["metrics"]["request_totals"]["errored"] == 0
+    assert [r["output_tokens"] for r in bench["requests"]["successful"]] == [5] * 6
