@@ -1,17 +1,20 @@
 """System overhead: what the P/D path adds over calling the engine in-process.
 
-    .venv/bin/python benchmarks/system_overhead.py      # ~5 min; writes system_overhead.md/.json here
+    .venv/bin/python benchmarks/system_overhead.py      # ~2-3 min; writes system_overhead.md/.json here
 
 With a tiny random Llama (compute is negligible, so what remains is our overhead), in one
 run: the same seeded 64-token prompts, greedy, 32 output tokens, EOS ignored, one request at
-a time, streamed and timed by the client, through
-1. ``AsyncLLMEngine`` driven in-process (before and after the systems; pooled as the baseline),
-2. ``pdserve up --prefill 1 --decode 1`` (fs connector) with a streaming HTTP client,
-3. ``pdserve up --mode colocated --prefill 0 --decode 1`` (the router without a prefill hop);
-then, through each router, a closed-loop sweep of concurrent streams (short outputs) for
-the best completed requests/s with zero errors. TTFT = call → first token-bearing output;
-ITL = gap between successive token-bearing outputs. Every engine process runs 1 torch thread.
-``--quick`` is a smoke run (a few requests) for tests.
+a time, streamed and timed, through
+1. ``AsyncLLMEngine`` driven in-process (the baseline) and a bare ``LLMEngine`` stepped in a
+   loop (the floor), both in a worker process set up like a service's (own session, 1 torch
+   thread), timed inside it;
+2. ``pdserve up --prefill 1 --decode 1`` (fs connector), with a streaming HTTP client;
+3. ``pdserve up --mode colocated --prefill 0 --decode 1`` (the router without a prefill hop).
+Each prompt goes through every path back to back, the order rotating, so that all paths see
+the same load on a shared machine. Then, through each router, a closed-loop sweep of
+concurrent streams (short outputs) for the best completed requests/s with zero errors.
+TTFT = call → first token-bearing output; ITL = gap between successive token-bearing
+outputs; TPOT = per request (last − first) / (n − 1). ``--quick`` is a smoke run for tests.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 import logging
 import os
 import platform
-import select
+import queue
 import shlex
 import signal
 import socket
@@ -188,8 +191,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Tiny random Llama (2 layers, hidden 64); {work['requests']} requests one at a time "
         f"after {work['warmup']} warm-ups; {work['prompt_len']}-token random prompts, "
         f"{work['output_len']} output tokens, greedy, EOS ignored, streamed; 1 torch thread per "
-        "engine process. In-process = `AsyncLLMEngine` driven in the benchmark process (the "
-        'baseline); "engine alone" = a bare `LLMEngine` stepped in a loop (the floor). Each '
+        "engine process. In-process = `AsyncLLMEngine` driven directly (the baseline); "
+        '"engine alone" = a bare `LLMEngine` stepped in a loop (the floor); both run in a '
+        "worker process set up like a service's and are timed inside it. Each "
         "prompt goes through every path back to back (order rotating), so all paths share the "
         "same load. TPOT = per request (last − first token) / (n − 1). Times in ms.",
         "",
@@ -348,6 +352,7 @@ class EngineWorker:
         self.argv += [str(model_dir), kv_cache_memory]
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
 
     def __enter__(self) -> EngineWorker:
         env = os.environ | ENGINE_ENV | {"PYTHONPATH": str(REPO)}
@@ -355,29 +360,39 @@ class EngineWorker:
             self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
             cwd=REPO, start_new_session=True,
         )  # fmt: skip
-        self._expect("READY", self.timeout_s)
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self._expect("READY", self.timeout_s)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # EOF: the worker exited
 
     def _expect(self, prefix: str, timeout_s: float) -> str:
         """The next stdout line starting with ``prefix`` (RuntimeError on exit or timeout)."""
-        assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine worker exited with status {self.proc.wait()}")
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError("the engine worker exited early (its stderr is above)")
             if line.startswith(prefix):
                 return line[len(prefix) :]
-        raise RuntimeError(f"engine worker: no {prefix!r} within {timeout_s:.0f} s")
+        raise RuntimeError(f"engine worker: no {prefix!r} line within {timeout_s:.0f} s")
 
     async def run(self, path: str, request_id: str, prompt: list[int], max_tokens: int) -> Stream:
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(json.dumps([path, request_id, prompt, max_tokens]) + "\n")
         self.proc.stdin.flush()
-        return Stream(**json.loads(self._expect("RESULT ", 60.0)))
+        return Stream(**json.loads(await asyncio.to_thread(self._expect, "RESULT ", 60.0)))
 
     def __exit__(self, *_: object) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -742,17 +757,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     args = parse_args(argv)
     result = asyncio.run(run(args))
-    args.output_json.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+    args.output_json.write_text(json.dumps(result, indent=2) + "\n")
     md = render_markdown(result)
     args.output_md.write_text(md)
     print(md)  # CLI output: the report
     return 0
-
-
-def _jsonable(obj: object) -> object:
-    if hasattr(obj, "__dataclass_fields__"):
-        return asdict(obj)  # type: ignore[call-overload]
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
 def _worker_entry(model_dir: str, kv_cache_memory: str) -> int:

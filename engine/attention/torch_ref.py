@@ -51,14 +51,20 @@ class TorchRefAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
-        out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
         decode_reqs: list[int] = []
         prefill_reqs: list[int] = []
         for i in range(meta.num_reqs):
             (decode_reqs if starts[i + 1] - starts[i] == 1 else prefill_reqs).append(i)
+        if not prefill_reqs:
+            # Pure decode step: query row i is request i, so no gather/scatter of rows (on a
+            # busy CPU every extra op costs a thread-pool round trip).
+            return self._decode_batch(query, kv_cache, meta, scale, None)
+        out = torch.empty_like(query)
         if decode_reqs:
-            self._decode_batch(query, kv_cache, meta, scale, decode_reqs, out)
+            rows = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
+            o = self._decode_batch(query.index_select(0, rows), kv_cache, meta, scale, decode_reqs)
+            out.index_copy_(0, rows, o)
         for i in prefill_reqs:
             q0, q1 = starts[i], starts[i + 1]
             seq_len = meta.seq_lens_cpu[i]
@@ -77,26 +83,27 @@ class TorchRefAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        reqs: list[int],
-        out: torch.Tensor,
-    ) -> None:
+        reqs: list[int] | None,
+    ) -> torch.Tensor:
+        """Attention for one query row per request: ``query`` [B, Hq, D] holds the rows of
+        requests ``reqs`` (None = every request, in order); returns [B, Hq, D]."""
         block_size = kv_cache.shape[2]
-        rows = torch.tensor([meta.query_start_loc_cpu[i] for i in reqs], device=query.device)
-        lens = [meta.seq_lens_cpu[i] for i in reqs]
+        lens = meta.seq_lens_cpu if reqs is None else [meta.seq_lens_cpu[i] for i in reqs]
         n_blocks = -(-max(lens) // block_size)
-        tables = meta.block_tables[reqs][:, :n_blocks]  # [B, n]
-        batch, kv_heads, dim = len(reqs), kv_cache.shape[3], kv_cache.shape[4]
+        tables = meta.block_tables if reqs is None else meta.block_tables[reqs]
+        tables = tables[:, :n_blocks]  # [B, n]
+        batch, kv_heads, dim = len(lens), kv_cache.shape[3], kv_cache.shape[4]
         ctx = kv_cache.index_select(1, tables.reshape(-1))  # [2, B*n, block, heads, dim]
         ctx = ctx.view(2, batch, n_blocks * block_size, kv_heads, dim).transpose(2, 3)
         k, v = ctx[0].to(query.dtype), ctx[1].to(query.dtype)  # [B, kv_heads, L, dim]
         # Grouped-query attention without repeating K/V: the query heads that share a KV
         # head become rows of one query block ([B, kv_heads, groups, dim]).
         groups = query.shape[1] // kv_heads
-        q = query[rows].view(batch, kv_heads, groups, dim)
+        q = query.reshape(batch, kv_heads, groups, dim)
         positions = torch.arange(n_blocks * block_size, device=query.device)
         mask = positions[None, :] < torch.tensor(lens, device=query.device)[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-        out[rows] = o.reshape(batch, kv_heads * groups, dim)
+        return o.reshape(batch, kv_heads * groups, dim)
 
 
 def _sdpa(

@@ -26,15 +26,18 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     return out
 
 
+MIXED = [(0, 7), (13, 1), (6, 5), (3, 1)]  # fresh prefill, decode, chunk over context, decode
+DECODES = [(13, 1), (0, 1), (4, 1)]  # a pure decode step (the no-gather fast path)
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "decode_only"])
 @pytest.mark.parametrize("q_heads", [2, 4])
-def test_mixed_batch_matches_dense_reference(q_heads: int) -> None:
-    """Three requests in one step: a fresh prefill, a chunk over cached context, a decode;
-    their blocks are scattered and shuffled through the pool."""
+def test_batch_matches_dense_reference(q_heads: int, shapes: list[tuple[int, int]]) -> None:
+    """Requests of one step, each (cached context tokens, new tokens), with their blocks
+    scattered and shuffled through the pool."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 24
     cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, DIM)
-    # (cached context tokens, new tokens) per request
-    shapes = [(0, 7), (6, 5), (13, 1)]
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables, full_k, full_v = [], [], []
     for ctx, new in shapes:
@@ -62,7 +65,7 @@ def test_mixed_batch_matches_dense_reference(q_heads: int) -> None:
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=block_tables,
-        max_query_len=7,
+        max_query_len=max(n for _, n in shapes),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,

@@ -215,3 +215,15 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert result["systems"]["colocated"]["phases_ms"]["prefill_compute"] == 0
     md = out_md.read_text()
     assert "## Added over in-process" in md and "--quick" in md
+
+
+def test_failed_starts_raise_with_the_reason(tmp_path: Path) -> None:
+    """A system or engine worker that cannot start ends the run with an error, not a hang."""
+    from benchmarks.system_overhead import EngineWorker, PdserveUp, free_port
+
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "missing")]
+    with pytest.raises(RuntimeError, match="did not become ready") as info:
+        PdserveUp([*argv, "--port", str(free_port())], timeout_s=120).__enter__()
+    assert "pdserve up failed" in str(info.value) and "missing" in str(info.value)
+    with pytest.raises(RuntimeError, match="engine worker exited early"):
+        EngineWorker(tmp_path / "missing", "64M", timeout_s=120).__enter__()
