@@ -17,7 +17,6 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from tests.service_fixtures import ProcessStack
 
-pytest_plugins = ["tests.service_fixtures"]
 
 GREEDY = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

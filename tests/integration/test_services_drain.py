@@ -19,7 +19,6 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from tests.service_fixtures import ProcessStack
 
-pytest_plugins = ["tests.service_fixtures"]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

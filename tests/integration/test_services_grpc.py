@@ -21,7 +21,6 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from tests.service_fixtures import PDServices
 
-pytest_plugins = ["tests.model_fixtures", "tests.service_fixtures"]
 
 BLOCK = 16
 GREEDY = pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
     from tests.service_fixtures import ProcessStack
 
-pytest_plugins = ["tests.service_fixtures"]
 
 GREEDY = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -10,7 +10,6 @@ import pytest
 
 from pdserve.bench.offline import StepStats, add_offline_parsers, percentile, random_prompts
 
-pytest_plugins = ["tests.model_fixtures"]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -11,7 +11,6 @@ import pytest
 from engine.detokenizer import IncrementalDetokenizer
 
 # Registers the smollm2_dir / tiny_model_dir fixtures for this module.
-pytest_plugins = ["tests.model_fixtures"]
 
 
 @pytest.fixture(scope="module")

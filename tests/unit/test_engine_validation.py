@@ -13,7 +13,6 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
-pytest_plugins = ["tests.model_fixtures"]
 
 
 @pytest.fixture(scope="module")

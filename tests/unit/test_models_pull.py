@@ -19,7 +19,6 @@ pytest.register_assert_rewrite("tests.model_fixtures")
 from tests.model_fixtures import TINY_ARCHS, make_tiny, make_tiny_llama  # noqa: E402
 
 # Registers the smollm2_dir / tiny_model_dir fixtures for this module.
-pytest_plugins = ["tests.model_fixtures"]
 
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT_S = 300
