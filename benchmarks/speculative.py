@@ -203,8 +203,24 @@ def main() -> None:
             report(args, results)  # after each workload, so a cut-short run still reports
 
 
+NOTES = """
+Notes:
+- `steps` counts target-model forward passes and, like acceptance, does not depend on the
+  machine's load; tok/s and speedup are wall-clock ratios from a shared 2-core machine (other
+  jobs ran beside this one), so read them as rough. Greedy outputs with speculation are
+  token-identical to the baseline in every run (`identical`).
+- The n-gram proposer pays off where the answer copies the prompt (repetitive: ~3.5 tokens per
+  target pass) and costs little where it does not (open: it rarely finds a match, so most
+  steps carry no drafts).
+- The draft is SmolLM2's first layers with its final norm and head: the only smaller model
+  sharing its tokenizer available offline. It almost never agrees with the full model, so it
+  only costs here; a trained small draft (e.g. Llama-3.2-1B for Llama-3.1-8B) is the
+  intended use of `draft:model=PATH`.
+"""
+
+
 def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = ".venv/bin/python " + " ".join(shlex.quote(a) for a in sys.argv)
     lines = [
         "# Speculative decoding on CPU",
         "",
@@ -212,7 +228,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"SmolLM2-135M fp32, greedy, {args.max_tokens} new tokens per prompt, "
         f"{'prompts batched' if args.batch else 'batch 1 (prompts one after another)'}; "
-        f"median of {args.rounds} interleaved passes per configuration.",
+        f"upper median (of 2: the slower) of {args.rounds} interleaved passes per configuration.",
         "",
         "| workload | speculative | tok/s | speedup | acceptance | tokens/round | steps | identical |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -225,7 +241,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -
                 f"| {workload} | {r['speculative'] or 'off'} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
                 f"| {acc} | {tpr} | {r['engine_steps']} | {'yes' if r['identical_to_baseline'] else 'NO'} |"
             )
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + NOTES
     print(text)
     Path(args.output_md).write_text(text)
     slim = {

@@ -6,6 +6,7 @@ Synchronous and single-threaded; ``AsyncLLMEngine`` drives it from a background 
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import time
@@ -73,6 +74,10 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
+        # Move everything built so far (weights' wrappers, ~num_blocks block objects) out of
+        # the GC's generations, so collections in the step loop stay short.
+        gc.collect()
+        gc.freeze()
 
     def _max_model_len(self) -> int:
         limit = self.args.max_position_embeddings

@@ -14,7 +14,6 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-
 DEADLINE_S = 60.0
 
 

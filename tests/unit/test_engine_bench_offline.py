@@ -11,7 +11,6 @@ import pytest
 from pdserve.bench.offline import StepStats, add_offline_parsers, percentile, random_prompts
 
 
-
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench")
     add_offline_parsers(parser.add_subparsers(dest="bench_command", required=True))

@@ -14,7 +14,6 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Any:
     from engine.llm_engine import LLMEngine
