@@ -41,7 +41,7 @@ serve: model
 	$(VENV)/bin/pdserve up
 
 test: venv tools model
-	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

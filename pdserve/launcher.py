@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.settings import (
+    SPECULATIVE_HELP,
     add_env_argument,
     fair_thread_share,
     memory_size,
@@ -395,7 +396,11 @@ def build_plan(
             listen = f"--host 127.0.0.1 --port {port} --metrics-port {metrics_port}".split()
             gpu = gpus[len(services)]
             share = gpu_share_flags(args.device, gpu, gpus)
-            argv = launcher.python(role, *listen, *engine_flags, *share, *connector_flags)
+            # Speculation speeds up decode steps; a prefill instance samples one token only.
+            spec = (
+                ["--speculative", args.speculative] if role == "decode" and args.speculative else []
+            )
+            argv = launcher.python(role, *listen, *engine_flags, *spec, *share, *connector_flags)
             child = launcher.add(f"{role}-{i}", argv, grpc_probe(address))
             if gpu is not None:
                 child.env_extra["CUDA_VISIBLE_DEVICES"] = gpu
@@ -541,6 +546,7 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--dtype", {"choices": ["auto", "float32", "bfloat16", "float16"], "help": "per engine"}),
     ("--attention-backend", {"help": "per engine, e.g. triton (engine default if unset)"}),
     ("--max-model-len", {"type": positive_int, "help": "per engine and router"}),
+    ("--speculative", {"help": SPECULATIVE_HELP + " (decode instances only)"}),
     (
         "--torch-threads",
         {"type": non_negative_int, "default": 0, "help": "per engine; 0 = cores // engines"},

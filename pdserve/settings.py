@@ -158,6 +158,13 @@ def fair_thread_share(num_engine_processes: int, cores: int | None = None) -> in
     return max(1, cores // max(1, num_engine_processes))
 
 
+# The engine validates the value at startup (engine.spec_decode.config, not imported here:
+# this module stays torch-free).
+SPECULATIVE_HELP = (
+    'speculative decoding: "ngram:k=4[,n=4,min_n=1]" or "draft:model=PATH,k=4"; unset = off'
+)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """The engine's knobs (``EngineConfig``), shared by the prefill and decode services."""
     group = parser.add_argument_group("engine")
@@ -212,6 +219,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
         help="attention backend (engine default if unset)",
     )
     add_env_argument(group, "--seed", type=int, default=0, help="engine seed")
+    add_env_argument(
+        group,
+        "--speculative",
+        default=None,
+        help=SPECULATIVE_HELP,
+    )
     add_env_argument(
         group,
         "--torch-threads",
@@ -285,6 +298,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    if getattr(args, "speculative", None):
+        kwargs["speculative"] = args.speculative
     if getattr(args, "kv_load_failure", None):
         kwargs["kv_load_failure"] = args.kv_load_failure
     return EngineConfig(**kwargs)

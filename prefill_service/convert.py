@@ -27,6 +27,7 @@ def sampling_params_from_proto(
     default" for top_p (1.0) and repetition_penalty (1.0), and top_k 0 means off (-1).
     ``max_tokens`` overrides the message's (prefill always samples exactly one token).
     """
+    from engine.guided import GuidedSpec
     from engine.sampling_params import SamplingParams
 
     want_logprobs = msg.return_logprobs or msg.logprobs > 0
@@ -45,6 +46,9 @@ def sampling_params_from_proto(
         repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
         logprobs=int(msg.logprobs) if want_logprobs else None,
         skip_special_tokens=bool(msg.skip_special_tokens),
+        # GuidedSpec raises ValueError on an unknown kind or malformed value; the engine
+        # raises it (with the parser's message) for a schema/regex/grammar that won't parse.
+        guided=GuidedSpec(msg.guided_kind, msg.guided_value) if msg.guided_kind else None,
     )
 
 

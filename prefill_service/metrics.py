@@ -61,6 +61,24 @@ class _EngineCollector(Collector):
         inner = getattr(self._engine, "engine", None)  # the synchronous LLMEngine
         yield from self._connector_counters(getattr(inner, "connector", None))
         yield from self._fallbacks(getattr(inner, "transfers", None))
+        yield from self._spec_counters(getattr(inner, "spec_stats", None))
+
+    def _spec_counters(self, stats: Any) -> Iterator[Metric]:
+        """Speculative-decoding tokens drafted and accepted (absent when speculation is off;
+        acceptance rate = accepted / draft)."""
+        if stats is None:
+            return
+        for name, doc, value in (
+            ("draft_tokens", "tokens proposed by the speculative drafter", stats.num_draft_tokens),
+            (
+                "accepted_tokens",
+                "drafted tokens the target model accepted",
+                stats.num_accepted_tokens,
+            ),
+        ):
+            counter = CounterMetricFamily(f"pdserve_spec_{name}", doc, labels=["role", "method"])
+            counter.add_metric([self._role, str(stats.method)], float(value))
+            yield counter
 
     def _connector_counters(self, connector: Any) -> Iterator[Metric]:
         """Every number in the connector's ``ConnectorStats`` as ``pdserve_kv_<field>_total``;

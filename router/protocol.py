@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.errors import bad_request
+from router.guided import guide_of
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -52,6 +53,12 @@ class _CommonRequest(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     pdserve_timings: bool = False
+    # Guided decoding (router/guided.py): vLLM's extensions or OpenAI's response_format.
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:
@@ -64,6 +71,7 @@ class _CommonRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        guide_of(self)  # at most one guide, each well-shaped (ValueError otherwise)
         return self
 
 
@@ -123,7 +131,6 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -131,8 +138,6 @@ class ChatCompletionRequest(_CommonRequest):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
         if self.tools:
             raise ValueError("tools are not supported by this server")
         if self.continue_final_message and self.add_generation_prompt:
@@ -163,6 +168,8 @@ class GenParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = off; k = chosen token + top-k alternatives
     skip_special_tokens: bool = True
+    guided_kind: str = ""  # "" = no guide; else an engine GuidedSpec kind
+    guided_value: str = ""
 
     def choice_seed(self, index: int) -> int:
         """Seed of choice ``index``: choice 0 uses the request's seed (so n=1 matches the
@@ -178,6 +185,7 @@ def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | N
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = -1 if req.top_k in (None, 0) else int(req.top_k)
     seed = secrets.randbelow(SEED_SPACE) if req.seed is None else req.seed % SEED_SPACE
+    guided_kind, guided_value = guide_of(req)
     return GenParams(
         seed=seed,
         max_tokens=max_tokens,
@@ -193,6 +201,8 @@ def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | N
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        guided_kind=guided_kind,
+        guided_value=guided_value,
     )
 
 

@@ -28,22 +28,21 @@ def _prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
 
 
 def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy continuation with the transformers model's own forward and KV cache. A plain
+    argmax loop rather than ``generate``: ``generate`` applies EOS handling of its own, and
+    our reference for ``ignore_eos`` is "the argmax, whatever token it is"."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
+            result = model(torch.tensor([p]), use_cache=True)
+            tokens: list[int] = []
+            for _ in range(max_new):
+                tokens.append(int(result.logits[0, -1].argmax()))
+                result = model(torch.tensor([[tokens[-1]]]), past_key_values=result.past_key_values, use_cache=True)
+            outs.append(tokens)
     return outs
 
 

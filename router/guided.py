@@ -1,0 +1,89 @@
+"""Guided-decoding request fields → the wire guide ``(guided_kind, guided_value)``.
+
+The router only shapes the guide (torch- and xgrammar-free): whether a schema, regex or
+grammar actually parses is checked by the engine behind the prefill leg, whose
+INVALID_ARGUMENT comes back to the client as a 400 with the parser's message.
+
+Accepted (at most one per request): vLLM's ``guided_regex``, ``guided_choice``,
+``guided_grammar``, ``guided_json`` extensions, and OpenAI's ``response_format``
+(``text`` = no guide, ``json_object``, ``json_schema`` with a ``schema``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+NO_GUIDE = ("", "")
+
+
+class GuidedFields(Protocol):
+    guided_regex: str | None
+    guided_choice: list[str] | None
+    guided_grammar: str | None
+    guided_json: dict[str, Any] | str | None
+    response_format: dict[str, Any] | None
+
+
+def guide_of(req: GuidedFields) -> tuple[str, str]:
+    """``(kind, value)`` of the request's guide, ``("", "")`` for none.
+
+    Raises ValueError (a 400 at the HTTP edge) when more than one guide is given or one is
+    malformed in shape (empty regex, empty choice list, ``json_schema`` without a schema).
+    """
+    guides: list[tuple[str, str]] = []
+    if req.guided_regex is not None:
+        guides.append(("regex", _non_empty(req.guided_regex, "guided_regex")))
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+        guides.append(("choice", json.dumps(list(req.guided_choice))))
+    if req.guided_grammar is not None:
+        guides.append(("grammar", _non_empty(req.guided_grammar, "guided_grammar")))
+    if req.guided_json is not None:
+        guides.append(("json_schema", _schema_text(req.guided_json, "guided_json")))
+    fmt = _response_format_guide(req.response_format)
+    if fmt != NO_GUIDE:
+        guides.append(fmt)
+    if len(guides) > 1:
+        raise ValueError(
+            "give at most one of guided_regex, guided_choice, guided_grammar, guided_json "
+            "and a non-text response_format"
+        )
+    return guides[0] if guides else NO_GUIDE
+
+
+def _response_format_guide(fmt: dict[str, Any] | None) -> tuple[str, str]:
+    if not fmt:
+        return NO_GUIDE
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return NO_GUIDE
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise ValueError(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+            )
+        return ("json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema"))
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _schema_text(schema: Any, name: str) -> str:
+    """A schema as JSON text with sorted keys (equal schemas share one compiled grammar)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc.msg}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{name} must be a JSON object (a JSON Schema)")
+    return json.dumps(schema, sort_keys=True)
+
+
+def _non_empty(text: str, name: str) -> str:
+    if not text.strip():
+        raise ValueError(f"{name} must not be empty")
+    return text
