@@ -113,7 +113,12 @@ def make_engine(model: str, backend: str, graphs: bool) -> Any:
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
-    log.info("engine %s/%s ready (build incl. graph capture %.1f s)", model, backend, time.perf_counter() - t0)
+    log.info(
+        "engine %s/%s ready (build incl. graph capture %.1f s)",
+        model,
+        backend,
+        time.perf_counter() - t0,
+    )
     return engine
 
 

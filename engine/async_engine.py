@@ -112,8 +112,14 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        kwargs = dict(prompt_token_ids=prompt_token_ids, params=params, output_token_ids=output_token_ids,
-                      remote_kv=remote_kv, save_kv=save_kv, priority=priority)
+        kwargs = dict(
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            output_token_ids=output_token_ids,
+            remote_kv=remote_kv,
+            save_kv=save_kv,
+            priority=priority,
+        )
         self._send(_Add(request_id, kwargs))
         finished = False
         try:

@@ -41,7 +41,9 @@ def compute_block_hashes(
     parent = ROOT_PARENT
     n_full = len(token_ids) // block_size
     for i in range(n_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        parent = hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
+        )
         hashes.append(parent)
     if include_partial and len(token_ids) % block_size:
         hashes.append(hash_block_tokens(parent, token_ids[n_full * block_size :], extra_keys))
@@ -54,5 +56,7 @@ def extend_block_hashes(
     """Append hashes for any newly completed full blocks (``hashes`` holds full blocks only)."""
     parent = hashes[-1] if hashes else ROOT_PARENT
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        parent = hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
+        )
         hashes.append(parent)

@@ -55,7 +55,9 @@ class EngineConfig:
                 "directory (or resolve 'smollm2' with pdserve.models.resolve_model first)"
             )
         if self.load_format == "auto" and not _has_weights(self.model):
-            raise ValueError(f"model: no *.safetensors files in {self.model!r} (or use load_format='dummy')")
+            raise ValueError(
+                f"model: no *.safetensors files in {self.model!r} (or use load_format='dummy')"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in _DTYPES:
@@ -67,17 +69,25 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.scheduling_policy not in _POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}"
+            )
         if self.kv_load_failure not in ("recompute", "fail"):
-            raise ValueError(f"kv_load_failure must be 'recompute' or 'fail', got {self.kv_load_failure!r}")
+            raise ValueError(
+                f"kv_load_failure must be 'recompute' or 'fail', got {self.kv_load_failure!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.speculative is not None:

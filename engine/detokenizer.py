@@ -22,7 +22,9 @@ class IncrementalDetokenizer:
     stopped: bool = False
 
     @classmethod
-    def start(cls, tokenizer: Any, stop: list[str], skip_special: bool, initial_ids: list[int]) -> IncrementalDetokenizer:
+    def start(
+        cls, tokenizer: Any, stop: list[str], skip_special: bool, initial_ids: list[int]
+    ) -> IncrementalDetokenizer:
         """``initial_ids`` were generated (and shown) elsewhere: they give context only."""
         det = cls(tokenizer, stop, skip_special, list(initial_ids))
         det.emitted = len(det._text())
@@ -31,7 +33,9 @@ class IncrementalDetokenizer:
     def _text(self) -> str:
         if self.tokenizer is None:
             return ""
-        return str(self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens))
+        return str(
+            self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        )
 
     def add(self, new_ids: list[int], finished: bool) -> str:
         """Append tokens; return the new text. Sets ``stopped`` when a stop string appears."""

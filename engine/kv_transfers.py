@@ -63,7 +63,9 @@ class KVTransferCoordinator:
         prompt = request.prompt_token_ids
         hashes = compute_block_hashes(prompt, self.block_size, include_partial=True)
         ids = self.kv.block_ids(request.request_id)[: len(hashes)]
-        sizes = [min(self.block_size, len(prompt) - i * self.block_size) for i in range(len(hashes))]
+        sizes = [
+            min(self.block_size, len(prompt) - i * self.block_size) for i in range(len(hashes))
+        ]
         return KVTransfer(request.request_id, list(prompt), hashes, ids, sizes, start_block)
 
     # -- consumer -------------------------------------------------------------------------
@@ -83,7 +85,10 @@ class KVTransferCoordinator:
                 continue
             request.num_computed_tokens = hit_tokens
             request.num_cached_tokens = hit_tokens
-            n_remote = -(-min(prompt_len, request.remote_kv.num_tokens if request.remote_kv else 0) // self.block_size)
+            n_remote = -(
+                -min(prompt_len, request.remote_kv.num_tokens if request.remote_kv else 0)
+                // self.block_size
+            )
             if len(hits) >= n_remote:
                 ready.append(request)
                 continue
@@ -99,22 +104,35 @@ class KVTransferCoordinator:
             self._aborted.discard(result.request_id)
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             return None
-        n_remote = -(-min(request.num_prompt_tokens, request.remote_kv.num_tokens if request.remote_kv else 0)
-                     // self.block_size)
+        n_remote = -(
+            -min(
+                request.num_prompt_tokens, request.remote_kv.num_tokens if request.remote_kv else 0
+            )
+            // self.block_size
+        )
         loaded = result.num_loaded_blocks
         covered = min((start + loaded) * self.block_size, request.num_prompt_tokens)
-        request.num_computed_tokens = min(max(covered, request.num_computed_tokens), request.num_tokens - 1)
+        request.num_computed_tokens = min(
+            max(covered, request.num_computed_tokens), request.num_tokens - 1
+        )
         missing = max(0, n_remote - start - loaded)
         self.stats.blocks_loaded += loaded
         self.stats.blocks_recomputed += missing
         if missing:
             reason = result.failure_reason or "missing"
             self.stats.load_fallbacks[reason] += 1
-            logger.warning("request %s: %d KV blocks not loaded (%s): %s", request.request_id, missing,
-                           reason, "failing" if self.failure_policy == "fail" else "recomputing")
+            logger.warning(
+                "request %s: %d KV blocks not loaded (%s): %s",
+                request.request_id,
+                missing,
+                reason,
+                "failing" if self.failure_policy == "fail" else "recomputing",
+            )
         self.kv.cache_blocks(request, request.num_computed_tokens)
         ok = not (missing and self.failure_policy == "fail")
-        error = None if ok else f"KV load failed ({result.failure_reason or 'missing'}): {result.error}"
+        error = (
+            None if ok else f"KV load failed ({result.failure_reason or 'missing'}): {result.error}"
+        )
         return LoadOutcome(request, ok, time.monotonic() - t0, loaded, missing, error)
 
     # -- producer -------------------------------------------------------------------------
@@ -129,8 +147,10 @@ class KVTransferCoordinator:
             self.stats.save_failures += 1
             logger.warning("request %s: KV save failed: %s", request.request_id, result.error)
         saved = KvSaveResult(
-            result.keys, request.num_prompt_tokens if result.ok else 0,
-            result.num_saved_blocks if result.ok else 0, time.monotonic() - t0,
+            result.keys,
+            request.num_prompt_tokens if result.ok else 0,
+            result.num_saved_blocks if result.ok else 0,
+            time.monotonic() - t0,
             None if result.ok else (result.error or "save failed"),
         )
         return request, saved

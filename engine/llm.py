@@ -36,7 +36,11 @@ class LLM:
         """Generate for every prompt (text or token ids); results in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            list(params)
+            if isinstance(params, Sequence)
+            else [params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = [self._next_request_id() for _ in prompts]
@@ -44,7 +48,9 @@ class LLM:
         for rid, prompt, p in zip(ids, prompts, params_list):
             token_ids = self._tokenize(prompt)  # type: ignore[arg-type]
             self.engine.add_request(rid, token_ids, p)
-            results[rid] = CompletionOutput(token_ids, [], "", None, [] if p.logprobs is not None else None)
+            results[rid] = CompletionOutput(
+                token_ids, [], "", None, [] if p.logprobs is not None else None
+            )
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 res = results[out.request_id]

@@ -37,7 +37,9 @@ def load_tokenizer(model_dir: str) -> Any:
     """The model's HF tokenizer, or None for a bare config (dummy-weight benchmarks)."""
     import os
 
-    if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")):
+    if not any(
+        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -52,24 +54,38 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.args.eos_token_ids)
         self.runner = ModelRunner(config, self.args, self.max_model_len)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler()
-        self.guided = GuidedDecoding(self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids))
+        self.guided = GuidedDecoding(
+            self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids)
+        )
         spec = config.speculative_config()
-        self.spec = None if spec is None else SpecDecoder(
-            config, spec, self.args, self.max_model_len, self.runner.num_blocks, self.tokenizer
+        self.spec = (
+            None
+            if spec is None
+            else SpecDecoder(
+                config, spec, self.args, self.max_model_len, self.runner.num_blocks, self.tokenizer
+            )
         )
         self.model_fingerprint = model_fingerprint(config)
         self.kv_layout = KvLayout(
-            KV_LAYOUT_VERSION, config.torch_dtype_name, config.block_size,
-            self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+            KV_LAYOUT_VERSION,
+            config.torch_dtype_name,
+            config.block_size,
+            self.args.num_layers,
+            self.args.num_kv_heads,
+            self.args.head_dim,
         )
         self.connector = connector
         self.transfers: KVTransferCoordinator | None = None
         if connector is not None:
             connector.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
-            self.transfers = KVTransferCoordinator(connector, self.kv, self.scheduler, config.kv_load_failure)
+            self.transfers = KVTransferCoordinator(
+                connector, self.kv, self.scheduler, config.kv_load_failure
+            )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
@@ -86,7 +102,9 @@ class LLMEngine:
             limit = min(limit, self.args.sliding_window)
         if self.config.max_model_len is not None:
             if self.config.max_model_len > limit:
-                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}")
+                raise ValueError(
+                    f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}"
+                )
             return self.config.max_model_len
         return limit
 
@@ -103,12 +121,22 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
-        self._validate(request_id, prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv)
+        self._validate(
+            request_id, prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv
+        )
         request = Request(
-            request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
-            output_token_ids=list(output_token_ids or []), remote_kv=remote_kv, save_kv=save_kv,
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            priority,
+            output_token_ids=list(output_token_ids or []),
+            remote_kv=remote_kv,
+            save_kv=save_kv,
             num_initial_output_tokens=len(output_token_ids or []),
-            effective_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            effective_seed=params.seed
+            if params.seed is not None
+            else self._seed_rng.getrandbits(63),
         )
         if params.guided is not None:
             self.guided.submit(request)  # ValueError for a bad guide; compiles in the background
@@ -128,8 +156,15 @@ class LLMEngine:
             self.scheduler.requests[request.request_id] = request
             self.transfers.add_remote(request)
 
-    def _validate(self, request_id: str, prompt: list[int], generated: list[int], params: SamplingParams,
-                  remote_kv: RemoteKV | None, save_kv: bool) -> None:
+    def _validate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        generated: list[int],
+        params: SamplingParams,
+        remote_kv: RemoteKV | None,
+        save_kv: bool,
+    ) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt:
@@ -144,12 +179,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids must be in [0, {self.args.vocab_size}), got {bad[:3]}")
         if len(generated) >= params.max_tokens:
-            raise ValueError(f"{len(generated)} tokens already generated but max_tokens is {params.max_tokens}")
+            raise ValueError(
+                f"{len(generated)} tokens already generated but max_tokens is {params.max_tokens}"
+            )
         if (remote_kv is not None or save_kv) and self.connector is None:
             raise ValueError("this engine has no KV connector; remote_kv / save_kv are unavailable")
         needed = -(-min(total + params.max_tokens, self.max_model_len) // self.config.block_size)
         if needed > self.kv.pool.num_usable_blocks:
-            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_usable_blocks}")
+            raise ValueError(
+                f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_usable_blocks}"
+            )
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
@@ -166,8 +205,12 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or bool(self.transfers and self.transfers.has_work())
-                or bool(self._pending) or self.guided.has_pending())
+        return (
+            self.scheduler.has_work()
+            or bool(self.transfers and self.transfers.has_work())
+            or bool(self._pending)
+            or self.guided.has_pending()
+        )
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -235,7 +278,9 @@ class LLMEngine:
         out.kv_saved = saved
         return out
 
-    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(
+        self, scheduled: list[ScheduledRequest], logits: torch.Tensor
+    ) -> list[RequestOutput]:
         """``logits`` has one row per request, or ``1 + drafts`` rows for one with drafts."""
         rows, to_sample, to_verify, row = [], [], [], 0
         for s in scheduled:
@@ -290,11 +335,19 @@ class LLMEngine:
         request.num_computed_tokens += emitted - 1
         return self._token_output(request, tokens, "".join(texts), logprobs or None, status[0])
 
-    def _token_output(self, request: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,
-                      finished_status: RequestStatus | None) -> RequestOutput:
+    def _token_output(
+        self,
+        request: Request,
+        tokens: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finished_status: RequestStatus | None,
+    ) -> RequestOutput:
         if finished_status is not None:
             self._finish(request, finished_status)
-        out = self._output(request, tokens, text, finished=finished_status is not None and not request.save_kv)
+        out = self._output(
+            request, tokens, text, finished=finished_status is not None and not request.save_kv
+        )
         out.logprobs = logprobs
         return out
 
@@ -305,7 +358,10 @@ class LLMEngine:
         if token in p.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            len(request.output_token_ids) >= p.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -324,19 +380,28 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release(request_id)
 
-    def _output(self, request: Request, tokens: list[int], text: str, *, finished: bool) -> RequestOutput:
+    def _output(
+        self, request: Request, tokens: list[int], text: str, *, finished: bool
+    ) -> RequestOutput:
         queued = (request.first_scheduled_time or time.monotonic()) - request.arrival_time
         return RequestOutput(
-            request.request_id, tokens, text, finished,
+            request.request_id,
+            tokens,
+            text,
+            finished,
             finish_reason=request.status.finish_reason if request.is_finished else None,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-            kv_load_seconds=request.kv_load_seconds, kv_blocks_loaded=request.kv_blocks_loaded,
-            kv_blocks_recomputed=request.kv_blocks_recomputed, queue_seconds=queued,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_load_seconds=request.kv_load_seconds,
+            kv_blocks_loaded=request.kv_blocks_loaded,
+            kv_blocks_recomputed=request.kv_blocks_recomputed,
+            queue_seconds=queued,
         )
 
     def get_load(self) -> LoadStats:
         return LoadStats(
-            waiting=len(self.scheduler.waiting) + self.guided.num_pending()
+            waiting=len(self.scheduler.waiting)
+            + self.guided.num_pending()
             + (self.transfers.num_waiting_for_kv() if self.transfers else 0),
             running=len(self.scheduler.running),
             free_blocks=self.kv.pool.num_free_blocks,

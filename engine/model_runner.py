@@ -42,12 +42,25 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = get_backend(config.attention_backend, config.device)
         self.model = build_model(
-            args, config.model, config.load_format, self.backend, max_model_len,
-            self.dtype, config.device, config.seed,
+            args,
+            config.model,
+            config.load_format,
+            self.backend,
+            max_model_len,
+            self.dtype,
+            config.device,
+            config.seed,
         )
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = torch.zeros(
-            (args.num_layers, 2, self.num_blocks, self.block_size, args.num_kv_heads, args.head_dim),
+            (
+                args.num_layers,
+                2,
+                self.num_blocks,
+                self.block_size,
+                args.num_kv_heads,
+                args.head_dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
@@ -55,17 +68,25 @@ class ModelRunner:
         self.graphs = self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
-            self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.backend.name,
         )
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
         backend that reads only device tensors, so only ``triton`` qualifies."""
-        if self.device.type != "cuda" or self.backend.name != "triton" or not self.config.cuda_graphs:
+        if (
+            self.device.type != "cuda"
+            or self.backend.name != "triton"
+            or not self.config.cuda_graphs
+        ):
             return None
         graphs = DecodeGraphs(
-            lambda ids, pos, meta: self.model.compute_logits(self.model(ids, pos, self.kv_cache, meta)),
+            lambda ids, pos, meta: self.model.compute_logits(
+                self.model(ids, pos, self.kv_cache, meta)
+            ),
             max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req,
             device=self.device,
@@ -101,17 +122,31 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         dummy_cache = torch.zeros(
-            (self.args.num_layers, 2, 2 + -(-n // self.block_size), self.block_size,
-             self.args.num_kv_heads, self.args.head_dim),
-            dtype=self.dtype, device=self.device,
+            (
+                self.args.num_layers,
+                2,
+                2 + -(-n // self.block_size),
+                self.block_size,
+                self.args.num_kv_heads,
+                self.args.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        blocks = torch.arange(1, 1 + -(-n // self.block_size), dtype=torch.int32, device=self.device)
+        blocks = torch.arange(
+            1, 1 + -(-n // self.block_size), dtype=torch.int32, device=self.device
+        )
         meta = AttentionMetadata(
-            slot_mapping=pos + self.block_size, query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device), block_tables=blocks[None],
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+            slot_mapping=pos + self.block_size,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=blocks[None],
+            max_query_len=n,
+            max_seq_len=n,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
         )
         with torch.inference_mode():
             hidden = self.model(ids, pos, dummy_cache, meta)
@@ -171,7 +206,11 @@ class ModelRunner:
         requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
         positions, in order), request after request."""
         inputs = self.prepare(scheduled)
-        if self.graphs is not None and inputs.meta.max_query_len == 1 and self.graphs.bucket_for(inputs.meta.num_reqs):
+        if (
+            self.graphs is not None
+            and inputs.meta.max_query_len == 1
+            and self.graphs.bucket_for(inputs.meta.num_reqs)
+        ):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -36,9 +36,13 @@ def position_seed(seed: int, position: int) -> int:
 def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
     p = request.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(
+            sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device
+        )
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
         out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
@@ -67,8 +71,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Pick one token per row of ``logits`` ``[len(requests), vocab]`` (float32)."""
-        if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-               and not r.logits_processors for r in requests):
+        if all(
+            r.params.greedy
+            and not r.params.has_penalties
+            and r.params.logprobs is None
+            and not r.logits_processors
+            for r in requests
+        ):
             return [SampledToken(int(t), None) for t in logits.argmax(-1).tolist()]
         return [self._sample_row(logits[i], r) for i, r in enumerate(requests)]
 

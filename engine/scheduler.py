@@ -118,7 +118,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new, request.spec_token_ids[:num_spec]))
+                out.scheduled.append(
+                    self._scheduled(request, num_new, request.spec_token_ids[:num_spec])
+                )
                 budget -= num_new
             if budget <= 0:
                 break
@@ -153,10 +155,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, spec: list[int] | None = None
+    ) -> ScheduledRequest:
         # Draft positions never reach the prefix cache: only verified tokens may be shared.
         self.kv.cache_blocks(request, request.num_computed_tokens + num_new - len(spec or ()))
-        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), list(spec or ()))
+        return ScheduledRequest(
+            request, num_new, self.kv.block_ids(request.request_id), list(spec or ())
+        )
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -12,7 +12,11 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 def get_backend(name: str, device: str) -> AttentionBackend:
     """Build the named backend; "auto" picks triton on CUDA when it imports, else torch_ref."""
     if name == "auto":
-        name = "triton" if device.startswith("cuda") and importlib.util.find_spec("triton") else "torch_ref"
+        name = (
+            "triton"
+            if device.startswith("cuda") and importlib.util.find_spec("triton")
+            else "torch_ref"
+        )
     if name == "torch_ref":
         from engine.attention.torch_ref import TorchRefAttention
 

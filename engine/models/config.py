@@ -50,7 +50,11 @@ class ModelArgs:
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else ((int(eos),) if eos is not None else ())
+        )
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,

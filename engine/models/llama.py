@@ -33,10 +33,16 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -45,7 +51,11 @@ class Attention(nn.Module):
         self.scale = args.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -80,7 +90,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -92,7 +106,9 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, rope, backend) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, rope, backend) for _ in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -100,7 +116,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope = rope
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of the flattened batch."""
         x = self.embed_tokens(input_ids)
@@ -158,4 +178,6 @@ class LlamaForCausalLM(nn.Module):
                 need = [name]
             missing += [n for n in need if n not in loaded]
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint is missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )

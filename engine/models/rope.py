@@ -17,7 +17,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, object])
         return inv_freq / factor
     if kind == "llama3":
         return _llama3(inv_freq, factor, scaling)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def _llama3(inv_freq: torch.Tensor, factor: float, scaling: dict[str, object]) -> torch.Tensor:
@@ -37,7 +39,9 @@ def _llama3(inv_freq: torch.Tensor, factor: float, scaling: dict[str, object]) -
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, object]) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, object]
+    ) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -47,7 +51,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] by their token positions [T]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -4,6 +4,7 @@ processes (one decode with ``--speculative ngram:k=4``), router processes, the o
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from tests.e2e.router_support import scrape
 from tests.service_fixtures import ProcessStack, ServiceProcess
+from tests.unit.test_launcher_gpus import flag, plan
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -139,3 +141,36 @@ def test_speculative_decode_same_greedy_tokens(stack: Stack) -> None:
     drafted = samples[("pdserve_spec_draft_tokens_total", labels)]
     accepted = samples[("pdserve_spec_accepted_tokens_total", labels)]
     assert 0 <= accepted <= drafted
+
+
+def test_up_passes_speculative_to_decode_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["--decode", "2", "--speculative", "ngram:k=4,n=3"]
+    children = plan(tmp_path, argv, monkeypatch)
+    assert flag(children["decode-0"], "--speculative") == "ngram:k=4,n=3"
+    assert flag(children["decode-1"], "--speculative") == "ngram:k=4,n=3"
+    assert flag(children["prefill-0"], "--speculative") is None
+    assert flag(children["router"], "--speculative") is None
+    off = plan(tmp_path, [], monkeypatch)
+    assert all(flag(child, "--speculative") is None for child in off.values())
+
+
+def test_service_speculative_flag_and_env_reach_engine_config(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decode_service.server import add_arguments
+    from pdserve.settings import engine_config_from_args
+
+    def config(argv: list[str]) -> object:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dir), *argv]))
+
+    monkeypatch.delenv("PDSERVE_SPECULATIVE", raising=False)
+    assert config([]).speculative is None  # type: ignore[attr-defined]
+    assert config(["--speculative", "ngram:k=2"]).speculative == "ngram:k=2"  # type: ignore[attr-defined]
+    monkeypatch.setenv("PDSERVE_SPECULATIVE", "ngram:k=3")
+    assert config([]).speculative == "ngram:k=3"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="ngram"):
+        config(["--speculative", "bogus:k=4"])

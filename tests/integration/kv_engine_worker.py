@@ -41,15 +41,19 @@ def main() -> None:
     else:
         first = int(sys.argv[5])
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        engine.add_request("c", prompt, params, output_token_ids=[first],
-                           remote_kv=RemoteKV([], len(prompt)))
+        engine.add_request(
+            "c", prompt, params, output_token_ids=[first], remote_kv=RemoteKV([], len(prompt))
+        )
         tokens: list[int] = [first]
         while engine.has_unfinished():
             for out in engine.step():
                 tokens += out.new_token_ids
         assert engine.transfers is not None
-        result = {"tokens": tokens, "loaded": engine.transfers.stats.blocks_loaded,
-                  "recomputed": engine.transfers.stats.blocks_recomputed}
+        result = {
+            "tokens": tokens,
+            "loaded": engine.transfers.stats.blocks_loaded,
+            "recomputed": engine.transfers.stats.blocks_recomputed,
+        }
     engine.connector.close() if engine.connector else None
     print(json.dumps(result), flush=True)
 

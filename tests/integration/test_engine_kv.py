@@ -36,8 +36,14 @@ def _settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> d
 
 def _worker(*args: str) -> dict:
     env = os.environ | {"PYTHONHASHSEED": "0"}
-    proc = subprocess.run([sys.executable, "-m", WORKER, *args], capture_output=True, text=True,
-                          timeout=240, env=env, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", WORKER, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -52,11 +58,16 @@ def _colocated(model: Path, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def _consume_in_process(connector_settings: dict, model: Path, prompt: list[int], first: int,
-                        policy: str = "recompute") -> tuple[list[int], LLMEngine, str | None]:
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=128, kv_load_failure=policy),
-                       build_connector(KVStoreSettings(**connector_settings)))
-    engine.add_request("c", prompt, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(prompt)))
+def _consume_in_process(
+    connector_settings: dict, model: Path, prompt: list[int], first: int, policy: str = "recompute"
+) -> tuple[list[int], LLMEngine, str | None]:
+    engine = LLMEngine(
+        EngineConfig(model=str(model), num_kv_blocks=128, kv_load_failure=policy),
+        build_connector(KVStoreSettings(**connector_settings)),
+    )
+    engine.add_request(
+        "c", prompt, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(prompt))
+    )
     tokens, error = [first], None
     while engine.has_unfinished():
         for out in engine.step():
@@ -66,20 +77,25 @@ def _consume_in_process(connector_settings: dict, model: Path, prompt: list[int]
 
 
 @pytest.mark.parametrize("backend", ["fs", "redis", "lmcache"])
-def test_cross_process_handoff_is_exact(backend: str, tiny_model_dir: Path, tmp_path: Path,
-                                        request: pytest.FixtureRequest) -> None:
+def test_cross_process_handoff_is_exact(
+    backend: str, tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     settings = json.dumps(_settings(backend, tmp_path, request))
     prompt = PROMPT if backend != "lmcache" else [t + len(str(tmp_path)) for t in PROMPT]
     produced = _worker("produce", str(tiny_model_dir), settings, json.dumps(prompt))
     assert len(produced["keys"]) == 3  # the partial tail block is stored too
-    consumed = _worker("consume", str(tiny_model_dir), settings, json.dumps(prompt), str(produced["first"]))
+    consumed = _worker(
+        "consume", str(tiny_model_dir), settings, json.dumps(prompt), str(produced["first"])
+    )
     assert consumed["loaded"] == 3 and consumed["recomputed"] == 0
     assert consumed["tokens"] == _colocated(tiny_model_dir, prompt)
 
 
 def _produce_in_process(settings: dict, model: Path, prompt: list[int]) -> tuple[int, list[str]]:
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=128),
-                       build_connector(KVStoreSettings(**settings)))
+    engine = LLMEngine(
+        EngineConfig(model=str(model), num_kv_blocks=128),
+        build_connector(KVStoreSettings(**settings)),
+    )
     engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), save_kv=True)
     first, keys = -1, []
     while engine.has_unfinished():
@@ -131,10 +147,14 @@ def test_fail_policy_fails_the_request(tiny_model_dir: Path, tmp_path: Path) -> 
 def test_redis_down_still_finishes(tiny_model_dir: Path, redis_proc, redis_server: str) -> None:
     settings = {"connector": "redis", "redis_url": redis_server}
     first, _ = _produce_in_process(settings, tiny_model_dir, PROMPT)
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128),
-                       build_connector(KVStoreSettings(**settings)))
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128),
+        build_connector(KVStoreSettings(**settings)),
+    )
     redis_proc.stop()
-    engine.add_request("c", PROMPT, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(PROMPT)))
+    engine.add_request(
+        "c", PROMPT, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(PROMPT))
+    )
     tokens = [first]
     while engine.has_unfinished():
         for out in engine.step():
@@ -147,13 +167,17 @@ def test_redis_down_still_finishes(tiny_model_dir: Path, redis_proc, redis_serve
 def test_local_prefix_hit_loads_only_the_rest(tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = {"connector": "fs", "kv_path": str(tmp_path / "kv")}
     first, _ = _produce_in_process(settings, tiny_model_dir, PROMPT)
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128),
-                       build_connector(KVStoreSettings(**settings)))
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128),
+        build_connector(KVStoreSettings(**settings)),
+    )
     # Warm the consumer's own prefix cache with the first 2 full blocks of the prompt.
     engine.add_request("warm", PROMPT[:33], SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
-    engine.add_request("c", PROMPT, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(PROMPT)))
+    engine.add_request(
+        "c", PROMPT, GREEDY, output_token_ids=[first], remote_kv=RemoteKV([], len(PROMPT))
+    )
     tokens = [first]
     while engine.has_unfinished():
         for out in engine.step():

@@ -41,7 +41,11 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[
             tokens: list[int] = []
             for _ in range(max_new):
                 tokens.append(int(result.logits[0, -1].argmax()))
-                result = model(torch.tensor([[tokens[-1]]]), past_key_values=result.past_key_values, use_cache=True)
+                result = model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=result.past_key_values,
+                    use_cache=True,
+                )
             outs.append(tokens)
     return outs
 
