@@ -160,17 +160,18 @@ def test_service_speculative_flag_and_env_reach_engine_config(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from decode_service.server import add_arguments
+    from engine.config import EngineConfig
     from pdserve.settings import engine_config_from_args
 
-    def config(argv: list[str]) -> object:
+    def config(argv: list[str]) -> EngineConfig:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         return engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dir), *argv]))
 
     monkeypatch.delenv("PDSERVE_SPECULATIVE", raising=False)
-    assert config([]).speculative is None  # type: ignore[attr-defined]
-    assert config(["--speculative", "ngram:k=2"]).speculative == "ngram:k=2"  # type: ignore[attr-defined]
+    assert config([]).speculative is None
+    assert config(["--speculative", "ngram:k=2"]).speculative == "ngram:k=2"
     monkeypatch.setenv("PDSERVE_SPECULATIVE", "ngram:k=3")
-    assert config([]).speculative == "ngram:k=3"  # type: ignore[attr-defined]
+    assert config([]).speculative == "ngram:k=3"
     with pytest.raises(ValueError, match="ngram"):
         config(["--speculative", "bogus:k=4"])
