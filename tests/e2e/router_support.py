@@ -7,6 +7,7 @@ import urllib.request
 from collections.abc import Callable
 
 import grpc
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -51,3 +52,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.1)
+
+
+def openai_client(base_url: str) -> openai.OpenAI:
+    """The official client against a router (``base_url`` without ``/v1``), no retries."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from router.tokenizer import PromptProcessor
-from tests.e2e.router_support import metric, running_requests, wait_for
+from tests.e2e.router_support import metric, openai_client, running_requests, wait_for
 from tests.service_fixtures import ProcessStack, ServiceProcess, start_router
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -29,12 +29,7 @@ class Stack:
     model_dir: Path
 
     def client(self, router: ServiceProcess | None = None) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{(router or self.disagg).url}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-        )
+        return openai_client((router or self.disagg).url)
 
 
 @pytest.fixture(scope="module")

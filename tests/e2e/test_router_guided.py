@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.router_support import scrape
+from tests.e2e.router_support import openai_client, scrape
 from tests.service_fixtures import ProcessStack, ServiceProcess
 from tests.unit.test_launcher_gpus import flag, plan
 
@@ -28,12 +28,7 @@ class Stack:
     spec_decode: ServiceProcess
 
     def client(self, router: ServiceProcess | None = None) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{(router or self.router).url}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=120,
-        )
+        return openai_client((router or self.router).url)
 
 
 @pytest.fixture(scope="module")
