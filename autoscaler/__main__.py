@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, level = parse_config(argv)
     except ValueError as exc:
-        print(f"autoscaler: {exc}", file=sys.stderr)
+        logging.basicConfig(format="autoscaler: %(message)s")
+        logging.getLogger(__name__).error("%s", exc)
         return 2
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

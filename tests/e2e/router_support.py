@@ -57,3 +57,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 def openai_client(base_url: str) -> openai.OpenAI:
     """The official client against a router (``base_url`` without ``/v1``), no retries."""
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
+    """A greedy completion from the served model "tiny"; ``kwargs`` (prompt, ...) override."""
+    args: dict[str, object] = {"model": "tiny", "temperature": 0.0}
+    args.update(kwargs)
+    return client.completions.create(**args)  # type: ignore[call-overload, no-any-return]

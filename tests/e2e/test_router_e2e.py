@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from router.tokenizer import PromptProcessor
+from tests.e2e.router_support import complete as support_complete
 from tests.e2e.router_support import metric, openai_client, running_requests, wait_for
 from tests.service_fixtures import ProcessStack, ServiceProcess, start_router
 
@@ -59,14 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
 
 
 def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
-    args: dict[str, object] = {
-        "model": "tiny",
-        "prompt": PROMPT,
-        "max_tokens": 12,
-        "temperature": 0.0,
-    }
-    args.update(kwargs)
-    return client.completions.create(**args)  # type: ignore[call-overload, no-any-return]
+    return support_complete(client, **({"prompt": PROMPT, "max_tokens": 12} | kwargs))
 
 
 def test_completion_and_usage(stack: Stack) -> None:

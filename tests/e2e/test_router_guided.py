@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.e2e.router_support import complete as support_complete
 from tests.e2e.router_support import openai_client, scrape
 from tests.service_fixtures import ProcessStack, ServiceProcess
 from tests.unit.test_launcher_gpus import flag, plan
@@ -56,14 +57,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
 
 
 def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
-    args: dict[str, object] = {
-        "model": "tiny",
-        "prompt": PROMPT,
-        "max_tokens": 8,
-        "temperature": 0.0,
-    }
-    args.update(kwargs)
-    return client.completions.create(**args)  # type: ignore[call-overload, no-any-return]
+    return support_complete(client, **({"prompt": PROMPT, "max_tokens": 8} | kwargs))
 
 
 def test_guided_choice(stack: Stack) -> None:
