@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
     cuda_graphs: bool = True  # capture decode steps on CUDA (triton backend only)
+    fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
     speculative: str | None = None

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from engine.models.layer_ops import get_layer_ops
 from engine.models.llama import LlamaForCausalLM
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model"]
@@ -28,10 +29,13 @@ def build_model(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    fused_ops: bool = False,
 ) -> LlamaForCausalLM:
+    """``fused_ops``: Triton kernels for the element-wise work on CUDA (layer_ops.py)."""
     cls = _REGISTRY[args.architecture]
+    ops = get_layer_ops(device, fused_ops)
     with torch.device(device):
-        model = cls(args, backend, max_positions)
+        model = cls(args, backend, max_positions, ops)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

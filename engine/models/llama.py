@@ -14,20 +14,26 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
+from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm of ``residual + x``, and that sum (the residual stream; may reuse
+        ``residual``'s storage)."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -44,8 +50,9 @@ class Attention(nn.Module):
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        ops = rope.ops
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
         self.rope = rope
         self.backend = backend
         self.scale = args.head_dim**-0.5
@@ -70,46 +77,62 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: LayerOps) -> None:
         super().__init__()
-        self.intermediate = args.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
         self.self_attn = Attention(args, rope, backend)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
+        self.mlp = MLP(args, rope.ops)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous sublayer's output and ``residual`` the stream it adds to
+        (None before the first layer). Returns this layer's MLP output and the stream
+        without that output added: the next norm adds it, fused with the norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        backend: AttentionBackend,
+        max_positions: int,
+        ops: LayerOps = TorchOps,
+    ) -> None:
         super().__init__()
         self.args = args
-        rope = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+        rope = RotaryEmbedding(
+            args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops
+        )
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(args, rope, backend) for _ in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -124,9 +147,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of the flattened batch."""
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache[i], meta)
+        if residual is None:  # a model with no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

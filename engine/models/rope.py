@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from engine.models.layer_ops import LayerOps, TorchOps
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, object]) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -40,9 +42,15 @@ class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by position."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, object]
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, object],
+        ops: LayerOps = TorchOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -55,11 +63,4 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] by their token positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return self.ops.rope(positions, q, k, self.cos, self.sin)
