@@ -95,7 +95,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
 
 
-def make_engine(model: str, backend: str, graphs: bool) -> Any:
+def make_engine(model: str, backend: str, graphs: bool, fused: bool = True) -> Any:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -110,6 +110,7 @@ def make_engine(model: str, backend: str, graphs: bool) -> Any:
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9,
         cuda_graphs=graphs,
+        fused_ops=fused,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -154,7 +155,7 @@ def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
     """GPU time of one graphed decode step (``bs`` requests, ``ctx`` tokens each), no host work."""
     from engine.attention.base import AttentionMetadata
 
-    runner, graphs = engine.runner, engine.bench_graphs
+    runner, graphs = engine.runner, engine.runner.graphs
     blk, dev = runner.block_size, runner.device
     per = -(-ctx // blk)
     ids = (torch.randperm(runner.num_blocks - 1, device=dev)[: bs * per] + 1).view(bs, per)
@@ -175,12 +176,18 @@ def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
 
 
 def bench_engine(
-    res: Results, model: str, backend: str, graphs: bool, rows: list[str], deadline: float
+    res: Results,
+    model: str,
+    backend: str,
+    graphs: bool,
+    rows: list[str],
+    deadline: float,
+    fused: bool = True,
 ) -> None:
     """One engine variant: the rows asked for, each skipped if the run's deadline has passed."""
-    variant = f"{model}/{backend}/{'graphs' if graphs else 'eager'}"
+    variant = f"{model}/{backend}/{'graphs' if graphs else 'eager'}{'' if fused else '/unfused'}"
     nums = model_numbers(model)
-    engine = make_engine(model, backend, graphs)
+    engine = make_engine(model, backend, graphs, fused)
     row: dict[str, Any] = {}
     try:
         if "gpu_step" in rows:
@@ -256,38 +263,49 @@ def bench_hf(res: Results, model: str, deadline: float) -> None:
         res.put("hf", key, row)
 
 
-def run_e2e(res: Results, sections: list[str], deadline: float, quick: bool = False) -> None:
-    """Headline variants of both models first, then the before-rows (eager, torch_ref)."""
+PlanRow = tuple[str, str, bool, list[str], bool]  # model, backend, graphs, rows, fused ops
+
+
+def e2e_plan(plan: str) -> list[PlanRow]:
+    """``full``: headline variants of both models, then the before-rows (eager, torch_ref).
+    ``quick``: graphed GPU step times + batch-1 decode. ``fused``: the fused element-wise
+    kernels' before/after (graphed Triton engine with and without them) + transformers."""
+    full = ["decode_b1", "prefill_2k", "thr_1k_1k", "thr_1k_16"]
+    if plan == "quick":
+        return [(m, "triton", True, ["gpu_step", "decode_b1"], True) for m in MODELS]
+    if plan == "fused":
+        big, small = MODELS
+        return [
+            (big, "triton", True, ["gpu_step", *full], True),
+            (big, "hf", False, [], True),
+            (big, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], False),
+            (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], True),
+            (small, "triton", True, ["gpu_step", "decode_b1"], False),
+        ]
+    if plan != "full":
+        raise ValueError(f"--plan must be full, quick or fused, got {plan!r}")
+    rows: list[PlanRow] = []
+    for model in MODELS:
+        rows += [(model, "triton", True, full, True), (model, "hf", False, [], True)]
+    for model in MODELS:
+        rows += [
+            (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"], True),
+            (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"], True),
+        ]
+    return rows
+
+
+def run_e2e(res: Results, sections: list[str], deadline: float, plan: str = "full") -> None:
     for model in MODELS:
         res.put("models", model, model_numbers(model))
-    full = ["decode_b1", "prefill_2k", "thr_1k_1k", "thr_1k_16"]
-    plan: list[tuple[str, str, bool, list[str]]] = []
-    for model in MODELS:
-        plan += [(model, "triton", True, full), (model, "hf", False, [])]
-    for model in MODELS:
-        plan += [
-            (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"]),
-            (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"]),
-        ]
-    if quick:  # only what the graphed engine's step costs on the GPU vs on the host
-        plan = [(m, "triton", True, ["gpu_step", "decode_b1"]) for m in MODELS]
-    for model, backend, graphs, rows in plan:
+    for model, backend, graphs, rows, fused in e2e_plan(plan):
+        key = f"{model}/{backend}/{graphs}/{'fused' if fused else 'unfused'}"
         if time.monotonic() >= deadline:
-            res.put("skipped", f"{model}/{backend}/{graphs}", "run budget spent")
+            res.put("skipped", key, "run budget spent")
         elif backend == "hf" and "hf" in sections:
             _guarded(res, f"{model}/transformers", bench_hf, res, model, deadline)
         elif backend != "hf" and "e2e" in sections:
-            _guarded(
-                res,
-                f"{model}/{backend}/{graphs}",
-                bench_engine,
-                res,
-                model,
-                backend,
-                graphs,
-                rows,
-                deadline,
-            )
+            _guarded(res, key, bench_engine, res, model, backend, graphs, rows, deadline, fused)
 
 
 def _guarded(res: Results, key: str, fn: Any, *args: Any) -> None:
@@ -312,7 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-sweep", action="store_true", help="kernels: skip the tile sweep")
     p.add_argument("--tiny", action="store_true")
     p.add_argument(
-        "--quick", action="store_true", help="e2e: graphed GPU step times + batch-1 decode only"
+        "--plan",
+        default="full",
+        choices=["full", "quick", "fused"],
+        help="e2e variants (see e2e_plan): full, quick (GPU step + batch-1 only), fused (A/B)",
     )
     p.add_argument("--budget-s", type=float, default=540.0, help="start nothing new after this")
     args = p.parse_args(argv)
@@ -330,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     if "kernels" in sections:
         run_kernels(res, dev, args.tiny, sweep=not args.no_sweep, only=args.kernels)
     if "e2e" in sections or "hf" in sections:
-        run_e2e(res, sections, deadline, quick=args.quick)
+        run_e2e(res, sections, deadline, plan=args.plan)
     if args.md is not None:
         args.md.write_text(render_markdown(res.data))
     print(summarize(res.data))
