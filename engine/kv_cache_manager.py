@@ -21,6 +21,11 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         # How many of a request's blocks are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # A request's block table only grows (append) until it is freed; a new table gets a
+        # new epoch. The model runner keeps each table's host copy across steps and, while
+        # the epoch is unchanged, copies only the appended ids instead of the whole table.
+        self._epochs: dict[str, int] = {}
+        self._next_epoch = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -69,7 +74,11 @@ class KVCacheManager:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
-        ids = self._block_ids.setdefault(request.request_id, [])
+        ids = self._block_ids.get(request.request_id)
+        if ids is None:
+            ids = self._block_ids[request.request_id] = []
+            self._epochs[request.request_id] = self._next_epoch
+            self._next_epoch += 1
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
@@ -98,12 +107,24 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
+        self._epochs.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (block ids, in token order)."""
         return list(self._block_ids.get(request_id, ()))
+
+    def table_epoch(self, request_id: str) -> int:
+        """Identity of the request's current block table (see ``_epochs``); -1 if none."""
+        return self._epochs.get(request_id, -1)
+
+    def block_table(self, request_id: str) -> tuple[list[int], int]:
+        """``(block_ids(request_id), table_epoch(request_id))`` in one call (per-step path)."""
+        ids = self._block_ids.get(request_id)
+        if ids is None:
+            return [], -1
+        return list(ids), self._epochs[request_id]
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, []))

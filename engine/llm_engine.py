@@ -295,10 +295,13 @@ class LLMEngine:
             row += 1 + n_spec
         outputs = []
         if to_sample:
-            for request, tok in zip(to_sample, self.sampler(logits[rows], to_sample), strict=True):
-                text, status = self._accept_token(request, tok.token_id)
+            # Every row sampled (no drafts, no partial prefill): skip the gather's copy.
+            sample_logits = logits if len(rows) == logits.shape[0] else logits[rows]
+            accept, token_output = self._accept_token, self._token_output
+            for request, tok in zip(to_sample, self.sampler(sample_logits, to_sample), strict=True):
+                text, status = accept(request, tok.token_id)
                 logprobs = [tok.logprob] if tok.logprob is not None else None
-                outputs.append(self._token_output(request, [tok.token_id], text, logprobs, status))
+                outputs.append(token_output(request, [tok.token_id], text, logprobs, status))
         for s, verify_rows in to_verify:
             outputs.append(self._verify(s, verify_rows))
         return outputs

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_hash import extend_block_hashes
+from engine.block_hash import ROOT_PARENT, hash_block_tokens
 from engine.sampling_params import SamplingParams
 
 
@@ -21,21 +21,21 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
+    # Both are asked per request per step: constant lookups, not a tuple/dict built per call.
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass(slots=True)
@@ -91,7 +91,19 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """A new list (prompt + output): O(length). Hot paths use ``token_ids_slice``."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole prompt + output list,
+        so a decode step's one-token slice costs O(1), not O(length)."""
+        prompt = self.prompt_token_ids
+        n_prompt = len(prompt)
+        if end <= n_prompt:
+            return prompt[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return prompt[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
     def is_finished(self) -> bool:
@@ -102,8 +114,17 @@ class Request:
 
     def update_block_hashes(self, block_size: int) -> None:
         """Hash any newly completed full blocks (prompt and output alike)."""
-        if len(self.block_hashes) < self.num_tokens // block_size:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
+        hashes = self.block_hashes
+        n_full = self.num_tokens // block_size
+        if len(hashes) < n_full:
+            # Block by block from the new ones only (same chain as ``extend_block_hashes``),
+            # so a long request does not copy its whole token list per completed block.
+            parent = hashes[-1] if hashes else ROOT_PARENT
+            for i in range(len(hashes), n_full):
+                parent = hash_block_tokens(
+                    parent, self.token_ids_slice(i * block_size, (i + 1) * block_size)
+                )
+                hashes.append(parent)
 
     def __lt__(self, other: Request) -> bool:  # heap order for the priority policy
         return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)

@@ -25,6 +25,9 @@ class ScheduledRequest:
     num_new_tokens: int  # includes the drafts below
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+    # The KV manager's table epoch for ``block_ids`` (-1: unknown, the runner copies all of
+    # it). While it is unchanged the table only grew since the request's last step.
+    table_epoch: int = -1
 
 
 @dataclass(slots=True)
@@ -160,9 +163,8 @@ class Scheduler:
     ) -> ScheduledRequest:
         # Draft positions never reach the prefix cache: only verified tokens may be shared.
         self.kv.cache_blocks(request, request.num_computed_tokens + num_new - len(spec or ()))
-        return ScheduledRequest(
-            request, num_new, self.kv.block_ids(request.request_id), list(spec or ())
-        )
+        block_ids, epoch = self.kv.block_table(request.request_id)
+        return ScheduledRequest(request, num_new, block_ids, list(spec) if spec else [], epoch)
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
