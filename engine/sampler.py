@@ -68,6 +68,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def _race_noise(probs: torch.Tensor, request: Request, position: int) -> torch.Tensor:
+    """Exponential noise for the race ``argmax(probs / noise)``, drawn on the device from
+    a generator seeded by the request's seed and the token's position only."""
+    gen = torch.Generator(device=probs.device)
+    gen.manual_seed(position_seed(request.effective_seed, position))
+    return torch.empty_like(probs).exponential_(generator=gen)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Pick one token per row of ``logits`` ``[len(requests), vocab]`` (float32)."""
@@ -79,11 +87,45 @@ class Sampler:
             for r in requests
         ):
             return [SampledToken(int(t), None) for t in logits.argmax(-1).tolist()]
-        return [self._sample_row(logits[i], r) for i, r in enumerate(requests)]
+        return self._sample_batch(logits, requests)
 
-    def _sample_row(self, raw: torch.Tensor, request: Request) -> SampledToken:
-        token = self.draw(self.processed_logits(raw, request), request, request.num_tokens)
-        return SampledToken(token, self._logprob(raw, token, request.params.logprobs))
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """The general path, batched so a step costs one device->host copy (not one sync
+        per request): each row's scores are built on the device (processed logits for a
+        greedy row, ``probs / noise`` for a sampled one: the same exponential race as
+        ``draw``), one argmax picks every token, and the tokens and any logprobs come back
+        in one packed float64 tensor (token ids < 2^53 are exact in it)."""
+        scores = []
+        for i, request in enumerate(requests):
+            processed = self.processed_logits(logits[i], request)
+            if request.params.greedy:
+                scores.append(processed)
+            else:
+                probs = processed.softmax(-1)
+                scores.append(probs / _race_noise(probs, request, request.num_tokens))
+        tokens = torch.stack(scores).argmax(-1)
+        wanted = [r.params.logprobs for r in requests]
+        parts = [tokens.double()]
+        top_k = max((k for k in wanted if k is not None), default=None)
+        if top_k is not None:
+            logprobs = logits.log_softmax(-1)
+            parts.append(logprobs.gather(1, tokens[:, None])[:, 0].double())
+            if top_k > 0:
+                vals, ids = torch.topk(logprobs, top_k, dim=-1)
+                parts += [ids.double().flatten(), vals.double().flatten()]
+        host = torch.cat(parts).tolist()  # the step's one device->host copy
+        n = len(requests)
+        out = []
+        for i, k in enumerate(wanted):
+            token = int(host[i])
+            logprob = None
+            if k is not None and top_k is not None:
+                row_ids = host[2 * n + i * top_k : 2 * n + i * top_k + k]
+                row_vals = host[2 * n + n * top_k + i * top_k :][:k]
+                top = [(int(t), v) for t, v in zip(row_ids, row_vals, strict=True)]
+                logprob = TokenLogprob(token, host[n + i], top)
+            out.append(SampledToken(token, logprob))
+        return out
 
     @staticmethod
     def processed_logits(raw: torch.Tensor, request: Request) -> torch.Tensor:
@@ -106,10 +148,7 @@ class Sampler:
         if request.params.greedy:
             return int(logits.argmax())
         probs = logits.softmax(-1)
-        gen = torch.Generator(device=logits.device)
-        gen.manual_seed(position_seed(request.effective_seed, position))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return int((probs / noise).argmax())
+        return int((probs / _race_noise(probs, request, position)).argmax())
 
     @staticmethod
     def _logprob(raw: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:

@@ -198,3 +198,33 @@ def test_logits_processor_hook_masks_tokens() -> None:
     sampled = _req(SamplingParams(temperature=1.0), seed=1)
     sampled.logits_processors.append(only_token_3)
     assert Sampler()(raw, [sampled])[0].token_id == 3
+
+
+def test_batched_path_equals_row_by_row_reference() -> None:
+    """The batched general path (one device->host copy per step) picks the tokens and
+    logprobs that ``draw`` and ``_logprob`` give one row at a time."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 300, generator=gen) * 3
+    batch = [
+        _req(SamplingParams(temperature=0.0, logprobs=2), rid="a"),
+        _req(SamplingParams(temperature=0.8, top_p=0.9), seed=11, rid="b"),
+        _req(SamplingParams(temperature=1.2, top_k=20, logprobs=5), seed=12, rid="c"),
+        _req(SamplingParams(temperature=0.0, repetition_penalty=1.3), rid="d"),
+        _req(SamplingParams(temperature=0.7, min_p=0.05, logprobs=0), seed=13, rid="e"),
+        _req(SamplingParams(temperature=1.0, frequency_penalty=0.5), seed=14, rid="f"),
+        _req(SamplingParams(temperature=0.0), rid="g"),
+    ]
+    batch[5].output_token_ids.extend([4, 4, 9])
+    got = Sampler()(logits, batch)
+    for i, (request, tok) in enumerate(zip(batch, got, strict=True)):
+        want = Sampler.draw(
+            Sampler.processed_logits(logits[i], request), request, request.num_tokens
+        )
+        assert tok.token_id == want, request.request_id
+        ref = Sampler._logprob(logits[i], want, request.params.logprobs)
+        if ref is None:
+            assert tok.logprob is None
+        else:
+            assert tok.logprob is not None
+            assert tok.logprob.logprob == ref.logprob
+            assert tok.logprob.top == ref.top
