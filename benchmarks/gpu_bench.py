@@ -221,6 +221,10 @@ def bench_engine(
                 res.put("e2e", variant, row)
     finally:
         del engine
+        # LLMEngine gc.freeze()s what it built (short GC pauses in the step loop); frozen
+        # objects are never collected, so unfreeze first or the next engine finds the
+        # GPU still full of this one.
+        gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache()
 
