@@ -2,6 +2,9 @@
 
 Decode rows (one query per request) are batched into one padded SDPA call; prefill and
 chunked-prefill requests are handled one by one with a causal mask offset by their context.
+On the CPU in float32, decode rows go to the C kernel of ``cpu_kernels`` instead (it reads
+the paged blocks in place rather than gathering them into a copy), unless it is switched
+off (``PDSERVE_CPU_KERNELS=0``) or cannot be built.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_kernels import DecodeKernel, kernels_enabled, load_decode_kernel
 
 
 def write_kv(
@@ -41,6 +45,11 @@ def gather_context(
 class TorchRefAttention(AttentionBackend):
     name = "torch_ref"
 
+    def __init__(self, cpu_kernels: bool | None = None) -> None:
+        """``cpu_kernels``: use the C decode kernel where it applies (None: unless
+        ``PDSERVE_CPU_KERNELS=0``). Public so a benchmark can flip it on a live engine."""
+        self.cpu_kernels = kernels_enabled() if cpu_kernels is None else cpu_kernels
+
     def forward(
         self,
         query: torch.Tensor,
@@ -56,12 +65,21 @@ class TorchRefAttention(AttentionBackend):
         prefill_reqs: list[int] = []
         for i in range(meta.num_reqs):
             (decode_reqs if starts[i + 1] - starts[i] == 1 else prefill_reqs).append(i)
+        kernel = self._kernel(query, kv_cache, meta) if decode_reqs else None
         if not prefill_reqs:
+            if kernel is not None:
+                out = torch.empty_like(query)
+                return kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale, out)
             # Pure decode step: query row i is request i, so no gather/scatter of rows (on a
             # busy CPU every extra op costs a thread-pool round trip).
             return self._decode_batch(query, kv_cache, meta, scale, None)
         out = torch.empty_like(query)
-        if decode_reqs:
+        if kernel is not None:
+            # The kernel writes the decode rows of ``out`` in place; prefill rows follow.
+            reqs = torch.tensor(decode_reqs, dtype=torch.int64)
+            rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64)
+            kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale, out, reqs, rows)
+        elif decode_reqs:
             rows = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
             o = self._decode_batch(query.index_select(0, rows), kv_cache, meta, scale, decode_reqs)
             out.index_copy_(0, rows, o)
@@ -76,6 +94,27 @@ class TorchRefAttention(AttentionBackend):
                 k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
             out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, causal_offset=seq_len - (q1 - q0))
         return out
+
+    def _kernel(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> DecodeKernel | None:
+        """The C decode kernel when it is on, built, and every tensor fits it."""
+        if not (
+            self.cpu_kernels
+            and query.device.type == "cpu"
+            and query.dtype == torch.float32
+            and kv_cache.dtype == torch.float32
+            and query.is_contiguous()
+            and kv_cache.is_contiguous()
+            and meta.block_tables.device.type == "cpu"
+            and meta.block_tables.dtype == torch.int32
+            and meta.block_tables.is_contiguous()
+            and meta.seq_lens.device.type == "cpu"
+            and meta.seq_lens.dtype == torch.int32
+            and meta.seq_lens.is_contiguous()
+        ):
+            return None
+        return load_decode_kernel()
 
     def _decode_batch(
         self,
