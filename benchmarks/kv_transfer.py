@@ -115,6 +115,8 @@ def bench_connector(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"tokens": args.tokens, "repeats": args.repeats, "rows": []}
+    # On a shared machine the absolute numbers move with other work: record the load.
+    load_before = os.getloadavg()
     servers = []
     redis_url = lm_url = ""
     if "redis" in args.backends:
@@ -184,6 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
     return results
 
@@ -224,6 +228,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     results = run(args)
     print(table(results))
+    m = results["machine"]
+    print(
+        f"load average (1/5/15 min) before {m['load_average_before']}, after {m['load_average_after']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -44,6 +45,7 @@ from kv_store.record import (
     record_header,
     record_size,
 )
+from kv_store.redis_backend import RedisBackend
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,13 @@ class BlockStoreConnector(AsyncConnectorBase):
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
         super().bind_kv_cache(kv_cache, layout, model_fingerprint)
-        # fs + CPU cache: records go cache -> file (writev) and file -> cache (readv)
-        # directly, without assembling them in a buffer.
-        self._kv_np = cache_numpy(kv_cache) if isinstance(self.backend, FsBackend) else None
+        # CPU cache: fs records go cache -> file (writev) and file -> cache (readv), Redis
+        # ones cache -> socket (sendmsg) and socket -> cache (recvmsg_into), without being
+        # assembled in a buffer.
+        direct = isinstance(self.backend, FsBackend) or (
+            isinstance(self.backend, RedisBackend) and self.backend.supports_get_into
+        )
+        self._kv_np = cache_numpy(kv_cache) if direct else None
 
     # -- scheduler side ---------------------------------------------------------------------
     def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
@@ -152,7 +158,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         """Encode and put one batch (on an I/O thread); returns the bytes written."""
         deadline.check()
         kv, layout = self._bound()
-        if self._kv_np is not None and isinstance(self.backend, FsBackend):
+        if self._kv_np is not None and isinstance(self.backend, FsBackend | RedisBackend):
             return self._save_batch_direct(self.backend, self._kv_np, layout, t, batch)
         bufs: list[bytearray] = getattr(self._tls, "bufs", [])
         items = []
@@ -166,7 +172,7 @@ class BlockStoreConnector(AsyncConnectorBase):
 
     @staticmethod
     def _save_batch_direct(
-        fs: FsBackend,
+        backend: FsBackend | RedisBackend,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
@@ -177,9 +183,9 @@ class BlockStoreConnector(AsyncConnectorBase):
         for i, key in batch:
             n = t.block_num_tokens[i]
             parts = block_parts(kv_np, t.block_ids[i], n)
-            items.append((key, [record_header(layout, n, parts), *(p.data for p in parts)]))
+            items.append((key, [record_header(layout, n, parts), *parts]))
             nbytes += record_size(layout, n)
-        fs.put_parts(items)
+        backend.put_parts(items)
         return nbytes
 
     def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
@@ -219,7 +225,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         where failure is ``(reason, message)`` for the first bad block, else None."""
         deadline.check()
         kv, layout = self._bound()
-        if self._kv_np is not None and isinstance(self.backend, FsBackend):
+        if self._kv_np is not None:
             return self._load_batch_direct(self.backend, self._kv_np, layout, t, idx, keys)
         values = self.backend.get(keys)
         loaded = nbytes = 0
@@ -238,31 +244,40 @@ class BlockStoreConnector(AsyncConnectorBase):
 
     @staticmethod
     def _load_batch_direct(
-        fs: FsBackend,
+        backend: StorageBackend,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
         idx: list[int],
         keys: list[str],
     ) -> tuple[int, int, tuple[str, str] | None]:
-        """``_load_batch`` reading each record straight into its cache block. A block that
-        then fails verification holds garbage, but is not counted as loaded."""
+        """``_load_batch`` receiving each record straight into its cache block (fs:
+        ``readv`` key by key; Redis: one pipelined batch). A block that then fails
+        verification holds garbage, but is not counted as loaded."""
+        headers = [bytearray(HEADER_SIZE) for _ in keys]
+        parts = [block_parts(kv_np, t.block_ids[i], t.block_num_tokens[i]) for i in idx]
+        bufs: list[list[Blob]] = [[h, *ps] for h, ps in zip(headers, parts, strict=True)]
+        sizes: Iterable[int | None]
+        if isinstance(backend, FsBackend):
+            # Lazily, key by key: reading stops at the first bad block.
+            sizes = (backend.get_into(k, b) for k, b in zip(keys, bufs, strict=True))
+        elif isinstance(backend, RedisBackend):
+            sizes = backend.get_into(keys, bufs)
+        else:
+            raise TypeError(f"no direct load path for {type(backend).__name__}")
         loaded = nbytes = 0
-        for i, key in zip(idx, keys, strict=True):
+        for j, (i, key, size) in enumerate(zip(idx, keys, sizes)):
             n = t.block_num_tokens[i]
-            parts = block_parts(kv_np, t.block_ids[i], n)
-            header = bytearray(HEADER_SIZE)
-            size = fs.get_into(key, [header, *(p.data for p in parts)])
             try:
                 if size is None:
                     return loaded, nbytes, ("missing", f"block {key} missing")
                 if size != record_size(layout, n):
-                    value = fs.get([key])[0]  # wrong size: decode it whole for the exact error
+                    value = backend.get([key])[0]  # wrong size: decode it whole for the exact error
                     if value is None:
                         return loaded, nbytes, ("missing", f"block {key} missing")
                     decode_block(value, layout, expected_tokens=n)
                     raise RecordLayoutError(f"record size {size} does not match {n} tokens")
-                check_record_parts(header, parts, layout, n)
+                check_record_parts(headers[j], parts[j], layout, n)
             except KVRecordError as e:
                 return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
             loaded += 1

@@ -1,11 +1,17 @@
 """The KV block record codec (DESIGN §3).
 
-A record is a fixed 40-byte little-endian header followed by the raw tensor bytes of one
+A record is a fixed 48-byte little-endian header followed by the raw tensor bytes of one
 block, ``[layers, 2, block_tokens, kv_heads, head_dim]`` in C order::
 
     magic "PDKV" | record version u16 | layout version u16 | dtype code u8 | pad u8 x3 |
     layers u32 | block tokens u32 | kv heads u32 | head dim u32 | payload bytes u64 |
-    crc32 u32   (over the header bytes before it, then the payload)
+    reserved u8 x4 | xxh3_64 u64   (over the 40 header bytes before it, then the payload)
+
+Record version 2 (this one) checksums with XXH3-64 (~21 GB/s on cached data here) instead
+of zlib's CRC32 (~4.4 GB/s), which ran slower than the copy it protected and was paid on
+every save and every load. Version 1 records (40-byte header, CRC32) are refused as unsupported, which a
+reader treats like a corrupt block: recomputed, never loaded. The header stays a multiple
+of 16 bytes so the payload keeps the alignment of the buffer it sits in.
 
 ``block_tokens`` is the number of tokens actually stored, so a partial tail block is a
 shorter record. Encoding makes exactly one copy (cache view → record buffer); decoding is a
@@ -16,18 +22,31 @@ from __future__ import annotations
 
 import struct
 import warnings
-import zlib
+from collections.abc import Iterable
 
 import numpy as np
 import torch
+import xxhash
 
 from kv_store.base import KvLayout, KVRecordError
 
 MAGIC = b"PDKV"
-RECORD_VERSION = 1
-_HEADER = struct.Struct("<4sHHB3xIIIIQ")
-_CRC = struct.Struct("<I")
-HEADER_SIZE = _HEADER.size + _CRC.size
+RECORD_VERSION = 2
+# The checksummed fields; the 4 reserved bytes pad them to 40 so that, with the u64
+# checksum, the header is 48 bytes: a multiple of 16, keeping payload views aligned.
+_HEADER = struct.Struct("<4sHHB3xIIIIQ4x")
+_CHECKSUM = struct.Struct("<Q")
+HEADER_SIZE = _HEADER.size + _CHECKSUM.size
+assert HEADER_SIZE % 16 == 0
+
+
+def _checksum(header: bytes | memoryview, payload: Iterable[bytes | memoryview]) -> int:
+    """XXH3-64 of the checksummed header bytes then the payload pieces, streamed (no
+    concatenation copy)."""
+    h = xxhash.xxh3_64(header)
+    for piece in payload:
+        h.update(piece)
+    return h.intdigest()
 
 
 class RecordChecksumError(KVRecordError):
@@ -119,9 +138,7 @@ def encode_block(tensor: torch.Tensor, layout: KvLayout, out: bytearray | None =
         nbytes,
     )
     out[: _HEADER.size] = header
-    view = memoryview(out)
-    crc = zlib.crc32(view[HEADER_SIZE:], zlib.crc32(header))
-    _CRC.pack_into(out, _HEADER.size, crc)
+    _CHECKSUM.pack_into(out, _HEADER.size, _checksum(header, (memoryview(out)[HEADER_SIZE:],)))
     return out
 
 
@@ -165,12 +182,7 @@ def decode_block(
     bad magic, version, layout mismatch, wrong token count, truncation or checksum."""
     view = memoryview(data).cast("B")
     n = _check_header(view, layout, expected_tokens, len(view))
-    (stored_crc,) = _CRC.unpack_from(view, _HEADER.size)
-    crc = zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[: _HEADER.size]))
-    if crc != stored_crc:
-        raise RecordChecksumError(
-            f"record checksum mismatch (stored {stored_crc:#010x}, computed {crc:#010x})"
-        )
+    _verify(view, (view[HEADER_SIZE:],))
     _, dtype, int_dtype = _DTYPES[layout.dtype]
     with warnings.catch_warnings():
         # ``bytes`` from a socket are read-only; the view is only ever read from.
@@ -183,8 +195,9 @@ def decode_block(
 
 
 def cache_numpy(kv_cache: torch.Tensor) -> np.ndarray | None:
-    """An integer-typed numpy view of a CPU cache (None on GPU), for ``block_parts``."""
-    if kv_cache.device.type != "cpu":
+    """An integer-typed numpy view of a contiguous CPU cache (None on GPU or for a strided
+    cache), for ``block_parts``."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         return None
     int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
         kv_cache.element_size()
@@ -192,16 +205,23 @@ def cache_numpy(kv_cache: torch.Tensor) -> np.ndarray | None:
     return kv_cache.view(int_dtype).numpy()
 
 
-def block_parts(cache_np: np.ndarray, block_id: int, num_tokens: int) -> list[np.ndarray]:
+def block_parts(cache_np: np.ndarray, block_id: int, num_tokens: int) -> list[memoryview]:
     """The ``2 × layers`` contiguous pieces of one block's first ``num_tokens`` tokens, in
-    record payload order (C order of ``[layers, 2, n, heads, dim]``), as views of the
-    cache: a writer hands them to ``writev`` and a reader ``readv``s into them, with no
-    intermediate buffer."""
-    layers = cache_np.shape[0]
-    return [cache_np[layer, kv, block_id, :num_tokens] for layer in range(layers) for kv in (0, 1)]
+    record payload order (C order of ``[layers, 2, n, heads, dim]``), as byte views of the
+    cache (from ``cache_numpy``): a writer hands them to ``writev``/``sendmsg`` and a
+    reader ``readv``s/``recvmsg_into``s into them, with no intermediate buffer. Sliced
+    from one flat view: ~10x cheaper than numpy indexing for the 60-64 pieces a block has."""
+    flat = cache_np.data.cast("B")
+    s_layer, s_kv, s_block, s_token = cache_np.strides[:4]
+    start, size = block_id * s_block, num_tokens * s_token
+    # C order: layer l, half kv starts at l * s_layer + kv * s_kv, and s_layer == 2 * s_kv.
+    return [
+        flat[start + off : start + off + size]
+        for off in range(0, cache_np.shape[0] * s_layer, s_kv)
+    ]
 
 
-def record_header(layout: KvLayout, num_tokens: int, parts: list[np.ndarray]) -> bytes:
+def record_header(layout: KvLayout, num_tokens: int, parts: list[memoryview]) -> bytes:
     """The header (with checksum) of the record whose payload is ``parts`` in order."""
     code = _DTYPES[layout.dtype][0]
     nbytes = sum(p.nbytes for p in parts)
@@ -216,25 +236,25 @@ def record_header(layout: KvLayout, num_tokens: int, parts: list[np.ndarray]) ->
         layout.head_dim,
         nbytes,
     )
-    crc = zlib.crc32(header)
-    for p in parts:
-        crc = zlib.crc32(p.data, crc)
-    return header + _CRC.pack(crc)
+    return header + _CHECKSUM.pack(_checksum(header, parts))
 
 
 def check_record_parts(
-    header: bytes | bytearray, parts: list[np.ndarray], layout: KvLayout, expected_tokens: int
+    header: bytes | bytearray, parts: list[memoryview], layout: KvLayout, expected_tokens: int
 ) -> None:
     """Verify a record read as ``header`` + ``parts`` (``KVRecordError`` subclasses as in
     ``decode_block``)."""
     view = memoryview(header)
     total = HEADER_SIZE + sum(p.nbytes for p in parts)
     _check_header(view, layout, expected_tokens, total)
-    (stored_crc,) = _CRC.unpack_from(view, _HEADER.size)
-    crc = zlib.crc32(view[: _HEADER.size])
-    for p in parts:
-        crc = zlib.crc32(p.data, crc)
-    if crc != stored_crc:
+    _verify(view, parts)
+
+
+def _verify(header: memoryview, payload: Iterable[bytes | memoryview]) -> None:
+    """``RecordChecksumError`` unless the header's stored checksum matches the record."""
+    (stored,) = _CHECKSUM.unpack_from(header, _HEADER.size)
+    computed = _checksum(header[: _HEADER.size], payload)
+    if computed != stored:
         raise RecordChecksumError(
-            f"record checksum mismatch (stored {stored_crc:#010x}, computed {crc:#010x})"
+            f"record checksum mismatch (stored {stored:#018x}, computed {computed:#018x})"
         )

@@ -1,6 +1,11 @@
 """Redis block store (DESIGN §3 ``redis``): redis-py with a connection pool.
 
 Batches go out as one pipelined round trip (``MGET`` for reads, ``SET … EX`` for writes).
+The connector's fast paths skip the copies redis-py would make of multi-MiB values while
+still using its connection pool (connect, auth, retries, timeouts): ``put_parts`` sends a
+record's pieces straight from the paged cache (``sendmsg``) and reads the replies with
+redis-py; ``get_into`` receives values straight into the cache (``recvmsg_into``) instead
+of through redis-py's reply parser, which copies every value twice before we can.
 Every socket operation has a timeout and connection errors are retried a bounded number of
 times with backoff, so a dead or hung server turns into ``KVStoreError`` within seconds.
 Redis ``SET`` is atomic: a reader never sees a torn value. Values expire after ``ttl_s``
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +31,10 @@ from kv_store.base import Blob, KVStoreError, StorageBackend
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_LINE_READ = 64  # bytes asked for when reading a reply line: little payload is over-read
+_MAX_LINE = 4096
+_IOV_MAX = 1024
 
 
 def _chunks(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
@@ -110,6 +120,109 @@ class RedisBackend(StorageBackend):
         except redis.RedisError as e:
             raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
 
+    @property
+    def supports_get_into(self) -> bool:
+        """Whether ``get_into`` works here: plain TCP or unix sockets (a TLS socket has no
+        ``recvmsg_into``)."""
+        return not self.url.startswith("rediss://")
+
+    def get_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> list[int | None]:
+        """Pipelined ``GET``s of ``keys``; a value whose size equals the total of its
+        writable buffers ``parts[i]`` is received straight into them. Returns per key the
+        value's size (when it differs from the total, nothing was written — fall back to
+        ``get``) or None when missing. Buffers of a later key may be written even when an
+        earlier one is missing or mismatched."""
+        if len(keys) != len(parts):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(parts)} buffer lists")
+        if not keys:
+            return []
+        if not self.supports_get_into:
+            raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.url!r}")
+        views = [[memoryview(b).cast("B") for b in bufs] for bufs in parts]
+        try:
+            return self._client.get_retry().call_with_retry(  # type: ignore[no-any-return]
+                lambda: self._get_into_once(keys, views), lambda _err: None
+            )
+        except redis.RedisError as e:
+            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+    def _get_into_once(self, keys: list[str], views: list[list[memoryview]]) -> list[int | None]:
+        pool = self._client.connection_pool
+        # The pool hands out a connection with no unread data (it checks), so its replies
+        # start at our first GET; redis-py's parser is not used and holds nothing.
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", self._k(k)) for k in keys]))
+            reader = _ReplyReader(conn._sock)  # noqa: SLF001 - the connection's own socket
+            out = [reader.bulk_into(v) for v in views]
+        except TimeoutError as e:  # socket.timeout: no reply within socket_timeout
+            conn.disconnect()
+            raise redis.TimeoutError(f"timeout reading a reply: {e}") from e
+        except OSError as e:
+            conn.disconnect()
+            raise redis.ConnectionError(f"error reading a reply: {e}") from e
+        except BaseException:
+            # Replies may be left half-read: the connection cannot be reused.
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return out
+
+    def put_parts(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
+        """Like ``put``, each value given as pieces sent back to back in one pipelined
+        batch, so a record goes from the cache to the socket without being assembled."""
+        if not items:
+            return
+        if not self.supports_get_into:
+            self.put([(key, b"".join(parts)) for key, parts in items])
+            return
+        try:
+            self._client.get_retry().call_with_retry(
+                lambda: self._put_parts_once(items), lambda _err: None
+            )
+        except redis.RedisError as e:
+            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+    def _put_parts_once(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
+        ex = (
+            b""
+            if self.ttl_s is None
+            else b"$2\r\nEX\r\n$%d\r\n%d\r\n"
+            % (
+                len(str(self.ttl_s)),
+                self.ttl_s,
+            )
+        )
+        nargs = 3 if self.ttl_s is None else 5
+        bufs: list[Blob] = []
+        for key, parts in items:
+            k = self._k(key).encode()
+            views = [memoryview(p).cast("B") for p in parts]
+            size = sum(v.nbytes for v in views)
+            bufs.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(k), k, size))
+            bufs += views
+            bufs.append(b"\r\n" + ex)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            _send_all(conn._sock, bufs)  # noqa: SLF001 - the connection's own socket
+            for _ in items:
+                reply = conn.read_response()  # redis-py raises on an error reply
+                if reply not in (b"OK", "OK", True):
+                    raise redis.ResponseError(f"unexpected SET reply {reply!r}")
+        except TimeoutError as e:  # socket.timeout while sending
+            conn.disconnect()
+            raise redis.TimeoutError(f"timeout sending values: {e}") from e
+        except OSError as e:
+            conn.disconnect()
+            raise redis.ConnectionError(f"error sending values: {e}") from e
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
     def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         if not items:
             return
@@ -132,3 +245,90 @@ class RedisBackend(StorageBackend):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _send_all(sock: socket.socket, bufs: Sequence[Blob]) -> None:
+    """``sendmsg`` every byte of ``bufs`` (gather write; resumes after a partial send)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = sock.sendmsg(views[:_IOV_MAX])
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+class _ReplyReader:
+    """Reads RESP bulk-string replies (``GET``) from a connected socket, each value straight
+    into caller buffers. Raises ``redis.ResponseError`` for an error reply and
+    ``redis.ConnectionError`` for a closed connection or anything that is not a bulk
+    string (both leave the connection unusable)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._pending = bytearray()  # received but not yet consumed
+
+    def _recv_some(self) -> None:
+        chunk = self._sock.recv(_LINE_READ)
+        if not chunk:
+            raise redis.ConnectionError("connection closed by server")
+        self._pending += chunk
+
+    def _line(self) -> bytes:
+        while (end := self._pending.find(b"\r\n")) < 0:
+            if len(self._pending) > _MAX_LINE:
+                raise redis.ConnectionError("protocol error: reply line too long")
+            self._recv_some()
+        line = bytes(self._pending[:end])
+        del self._pending[: end + 2]
+        return line
+
+    def _read_into(self, views: list[memoryview]) -> None:
+        """Fill ``views`` completely: first from what is pending, then from the socket."""
+        todo = [v for v in views if v.nbytes]
+        while todo and self._pending:
+            n = min(len(self._pending), todo[0].nbytes)
+            todo[0][:n] = self._pending[:n]
+            del self._pending[:n]
+            todo[0] = todo[0][n:]
+            if not todo[0].nbytes:
+                todo.pop(0)
+        while todo:
+            # One scatter read fills many buffers (a block is 2 x layers cache slices).
+            n = self._sock.recvmsg_into(todo[:_IOV_MAX])[0]
+            if n == 0:
+                raise redis.ConnectionError("connection closed by server")
+            while todo and n >= todo[0].nbytes:
+                n -= todo[0].nbytes
+                todo.pop(0)
+            if n:
+                todo[0] = todo[0][n:]
+
+    def bulk_into(self, views: list[memoryview]) -> int | None:
+        """Read one bulk reply into ``views`` if its size is their total (else discard
+        it); its size, or None for a missing key."""
+        line = self._line()
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:].decode("utf-8", "replace"))
+        if line in (b"$-1", b"_"):  # RESP2 / RESP3 null
+            return None
+        if line[:1] != b"$" or not line[1:].isdigit():
+            raise redis.ConnectionError(f"protocol error: unexpected reply {line[:40]!r}")
+        size = int(line[1:])
+        want = sum(v.nbytes for v in views)
+        if size == want:
+            self._read_into(views)
+        else:
+            scratch = memoryview(bytearray(min(size, 1 << 20)))
+            left = size
+            while left:
+                n = min(left, scratch.nbytes)
+                self._read_into([scratch[:n]])
+                left -= n
+        crlf = memoryview(bytearray(2))
+        self._read_into([crlf])
+        if crlf != b"\r\n":
+            raise redis.ConnectionError("protocol error: bulk string not followed by CRLF")
+        return size

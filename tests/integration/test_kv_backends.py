@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_store.base import StorageBackend
+from kv_store.base import KVStoreError, StorageBackend
 from kv_store.fs_backend import FsBackend
 from kv_store.redis_backend import RedisBackend
 
@@ -112,3 +112,80 @@ def test_redis_ttl_and_prefix(redis_server: str) -> None:
         b.close()
     with pytest.raises(ValueError, match="redis://"):
         RedisBackend("http://127.0.0.1:1")
+
+
+def test_redis_get_into_receives_values_into_caller_buffers(redis_server: str) -> None:
+    import redis as redis_py
+
+    b = RedisBackend(redis_server, key_prefix="gi:")
+    try:
+        big = os.urandom(3 << 20)
+        b.put([("big", big), ("small", b"0123456789"), ("odd", b"abc")])
+        # 3 MiB scattered over 100 buffers (like a block's cache slices), a missing key,
+        # a size mismatch, then a small value: the reply stream must stay in step.
+        cuts = [i * len(big) // 100 for i in range(101)]
+        scattered = [bytearray(cuts[i + 1] - cuts[i]) for i in range(100)]
+        missing, odd, small = [bytearray(4)], [bytearray(5)], [bytearray(4), bytearray(6)]
+        sizes = b.get_into(["big", "nope", "odd", "small"], [scattered, missing, odd, small])
+        assert sizes == [len(big), None, 3, 10]
+        assert b"".join(scattered) == big
+        assert missing == [bytearray(4)] and odd == [bytearray(5)]  # untouched
+        assert small == [bytearray(b"0123"), bytearray(b"456789")]
+        assert b.get_into([], []) == []
+        with pytest.raises(ValueError, match="2 keys but 1 buffer"):
+            b.get_into(["a", "b"], [[bytearray(1)]])
+        # An error reply (wrong type) is a KVStoreError; the next call still works.
+        raw = redis_py.Redis.from_url(redis_server)
+        raw.rpush("gi:list", b"x")
+        raw.close()
+        with pytest.raises(KVStoreError, match="WRONGTYPE"):
+            b.get_into(["small", "list"], [[bytearray(10)], [bytearray(1)]])
+        again = [bytearray(10)]
+        assert b.get_into(["small"], [again]) == [10] and again == [bytearray(b"0123456789")]
+    finally:
+        b.close()
+    assert not RedisBackend("rediss://127.0.0.1:1").supports_get_into
+
+
+def test_redis_get_into_fails_fast_when_server_is_gone() -> None:
+    from tests.servers import free_port
+
+    b = RedisBackend(f"redis://127.0.0.1:{free_port()}", retries=0, connect_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVStoreError, match="unreachable"):
+            b.get_into(["k"], [[bytearray(1)]])
+        assert time.monotonic() - t0 < 5
+    finally:
+        b.close()
+
+
+def test_redis_put_parts_sends_pieces_as_one_value(redis_server: str) -> None:
+    import redis as redis_py
+
+    b = RedisBackend(redis_server, ttl_s=60, key_prefix="pp:")
+    try:
+        big = os.urandom(3 << 20)
+        # More pieces than one sendmsg takes (IOV_MAX 1024), and an empty one.
+        cuts = [i * len(big) // 2500 for i in range(2501)]
+        pieces: list[bytes | bytearray | memoryview] = [
+            memoryview(big)[cuts[i] : cuts[i + 1]] for i in range(2500)
+        ]
+        pieces.insert(7, b"")
+        b.put_parts([("big", pieces), ("small", [b"ab", bytearray(b"cd")])])
+        assert b.get(["big", "small"]) == [big, b"abcd"]
+        raw = redis_py.Redis.from_url(redis_server)
+        assert 0 < raw.ttl("pp:big") <= 60 and raw.get("pp:small") == b"abcd"
+        raw.close()
+        b.put_parts([("small", [b"x"])])  # overwrite; the connection is still in step
+        assert b.get(["small", "big"]) == [b"x", big]
+    finally:
+        b.close()
+    no_ttl = RedisBackend(redis_server, key_prefix="pp:")
+    try:
+        no_ttl.put_parts([("forever", [b"v"])])
+        raw = redis_py.Redis.from_url(redis_server)
+        assert raw.ttl("pp:forever") == -1 and raw.get("pp:forever") == b"v"
+        raw.close()
+    finally:
+        no_ttl.close()

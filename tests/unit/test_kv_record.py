@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import pytest
 import torch
 
@@ -9,10 +12,15 @@ from kv_store.base import KvLayout, KVRecordError
 from kv_store.keys import block_key
 from kv_store.record import (
     HEADER_SIZE,
+    RECORD_VERSION,
     RecordChecksumError,
     RecordLayoutError,
+    block_parts,
+    cache_numpy,
+    check_record_parts,
     decode_block,
     encode_block,
+    record_header,
     record_size,
 )
 
@@ -56,7 +64,16 @@ def test_partial_block_stores_only_its_tokens() -> None:
         decode_block(rec, LAYOUT, expected_tokens=16)
 
 
-@pytest.mark.parametrize("where", [HEADER_SIZE + 7, HEADER_SIZE - 1, -1])
+def test_header_is_48_bytes_so_the_payload_stays_16_byte_aligned() -> None:
+    assert HEADER_SIZE == 48 and RECORD_VERSION == 2
+    rec = encode_block(cache()[:, :, 0], LAYOUT)
+    assert rec[:4] == b"PDKV" and struct.unpack_from("<H", rec, 4) == (2,)
+    assert rec[36:40] == b"\0\0\0\0"  # reserved
+
+
+# A payload byte (start, end), the checksum itself, and header bytes that no field check
+# looks at (dtype padding at 9, reserved at 37): only the checksum can catch those.
+@pytest.mark.parametrize("where", [HEADER_SIZE + 7, -1, HEADER_SIZE - 1, 40, 9, 37])
 def test_any_flipped_byte_is_detected(where: int) -> None:
     rec = encode_block(cache()[:, :, 0], LAYOUT)
     rec[where] ^= 0x01
@@ -78,6 +95,22 @@ def test_header_field_corruption_is_detected() -> None:
         decode_block(rec[:10], LAYOUT)
     with pytest.raises(KVRecordError, match="length"):
         decode_block(rec[:-4], LAYOUT)
+
+
+def _v1_record(kv: torch.Tensor, lay: KvLayout) -> bytes:
+    """A record as version 1 wrote it: 40-byte header ending in a CRC32."""
+    payload = kv.contiguous().numpy().tobytes()
+    header = struct.pack(
+        "<4sHHB3xIIIIQ", b"PDKV", 1, lay.version, 1, lay.num_layers, int(kv.shape[2]),
+        lay.num_kv_heads, lay.head_dim, len(payload),
+    )  # fmt: skip
+    return header + struct.pack("<I", zlib.crc32(payload, zlib.crc32(header))) + payload
+
+
+def test_version_1_record_is_refused_not_misread() -> None:
+    rec = _v1_record(cache()[:, :, 0], LAYOUT)
+    with pytest.raises(KVRecordError, match="record version 1 is not supported .expected 2"):
+        decode_block(rec, LAYOUT, expected_tokens=16)
 
 
 @pytest.mark.parametrize(
@@ -117,3 +150,24 @@ def test_block_key_format() -> None:
         block_key("a/b", h)
     with pytest.raises(ValueError):
         block_key("abc", b"")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scattered_record_equals_encoded_record(dtype: str) -> None:
+    """The fast paths' record (header + cache slices, no buffer) is byte for byte the
+    record ``encode_block`` builds, and ``check_record_parts`` accepts it."""
+    lay = KvLayout(1, dtype, 16, 3, 2, 4)
+    kv = cache(getattr(torch, dtype))
+    kv_np = cache_numpy(kv)
+    assert kv_np is not None
+    for block, n in [(0, 16), (2, 16), (3, 5), (1, 1)]:
+        parts = block_parts(kv_np, block, n)
+        assert len(parts) == 2 * 3
+        header = record_header(lay, n, parts)
+        assert header + b"".join(parts) == bytes(encode_block(kv[:, :, block, :n], lay))
+        check_record_parts(header, parts, lay, n)
+        bad = bytearray(header)
+        bad[37] ^= 1  # a reserved byte
+        with pytest.raises(RecordChecksumError):
+            check_record_parts(bad, parts, lay, n)
+    assert cache_numpy(kv.transpose(0, 1)) is None  # strided: no slicing into it
