@@ -9,7 +9,12 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test venv tools model lint stubs clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed /usr/bin/cc
+
+# A C compiler: the engine builds its CPU decode-attention kernel on first use
+# (engine/attention/cpu_kernels.py; without one it warns and runs the slower torch path).
+/usr/bin/cc:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev
 
 # torch==2.13.0 first: it is the local CPU build; the package's own range (>=2.4) then
 # installs nothing more. Any other torch spec would pull a multi-GB CUDA build.

@@ -105,7 +105,7 @@ if ! "$PY" - >>"$LOG" 2>&1 <<EOF
 import importlib, sys
 missing = []
 for name in ("torch", "fastapi", "uvicorn", "pydantic", "starlette", "redis", "grpc",
-             "grpc_health", "google.protobuf", "prometheus_client", "httpx", "tokenizers",
+             "grpc_health", "google.protobuf", "prometheus_client", "httpx", "tokenizers", "xxhash",
              "transformers", "jinja2"):
     try:
         mod = importlib.import_module(name)

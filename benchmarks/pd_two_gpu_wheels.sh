@@ -3,7 +3,8 @@
 # the image lacks (no network there; see the device README, "Notes", and KINDS.md):
 #   $CARRY/wheels/   wheels for the image's Python (3.12, x86-64): the router's web stack
 #                    (fastapi, starlette, uvicorn, pydantic), redis-py + hiredis,
-#                    grpcio-health-checking, and grpcio / protobuf / prometheus_client at the
+#                    grpcio-health-checking, xxhash (KV record checksums), and grpcio /
+#                    protobuf / prometheus_client at the
 #                    versions the committed stubs and our pins expect (the image's own
 #                    versions are not recorded, so these override them on PYTHONPATH)
 #   $CARRY/redis/    Debian's redis-server with the shared libraries it links (bin/redis-server
@@ -27,6 +28,7 @@ PACKAGES=(
   redis==8.1.0 hiredis==3.5.0
   grpcio==1.78.0 grpcio-health-checking==1.78.0 protobuf==6.33.6
   prometheus-client==0.24.1
+  xxhash==3.6.0
 )
 PLATFORMS=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1 manylinux_2_24 \
