@@ -7,7 +7,9 @@ For each block shape (SmolLM2-135M fp32; Llama-3.1-8B bf16 = 128 KiB/token) and 
 of ``--tokens`` tokens (blocks of 16), it times ``start_save`` → result and ``start_load``
 → result through each connector (fs on /dev/shm, Redis on loopback, LMCache with an
 ``lmcache_server`` on loopback), each prompt fresh (no dedup hits), and the same bytes
-copied block by block between two in-memory tensors ("memcpy"). It starts and stops its
+copied block by block between two in-memory tensors ("memcpy"), and, with fs, the same
+bytes through bare tmpfs syscalls ("tmpfs syscalls only": the floor under the fs
+connector, see ``bench_tmpfs_raw``). It starts and stops its
 own redis-server and lmcache_server. Reports GB/s (1e9 bytes/s, payload bytes) and the
 per-block overhead versus memcpy. LMCache needs PYTHONHASHSEED=0 (re-exec'd if unset).
 """
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 from engine.block_hash import compute_block_hashes  # noqa: E402
 from kv_store.base import KvLayout, KVTransfer  # noqa: E402
 from kv_store.factory import KVStoreSettings, build_connector  # noqa: E402
-from kv_store.record import copy_into  # noqa: E402
+from kv_store.record import block_parts, cache_numpy, copy_into  # noqa: E402
 from tests.servers import start_lmcache, start_redis  # noqa: E402
 
 SHAPES = {
@@ -73,6 +75,34 @@ def bench_memcpy(src: torch.Tensor, dst: torch.Tensor, blocks: int) -> tuple[flo
         copy_into(dst[:, :, b], bufs[b])
     t2 = time.perf_counter()
     assert torch.equal(dst[:, :, :blocks], src[:, :, :blocks])
+    return t1 - t0, t2 - t1
+
+
+def bench_tmpfs_raw(
+    src: torch.Tensor, dst: torch.Tensor, blocks: int, directory: Path
+) -> tuple[float, float]:
+    """The floor under the fs connector: the same block bytes written to new files on the
+    same tmpfs (create, ``writev`` of the 2 × layers cache slices, close, rename) and read
+    back (``readv`` into the cache), in one thread, with no header, checksum, thread pool
+    or Python connector around it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    src_np, dst_np = cache_numpy(src), cache_numpy(dst)
+    assert src_np is not None and dst_np is not None
+    names = [str(directory / f"b{b}") for b in range(blocks)]
+    t0 = time.perf_counter()
+    for b, name in enumerate(names):
+        fd = os.open(name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.writev(fd, block_parts(src_np, b, src.shape[3]))
+        os.close(fd)
+        os.replace(name + ".tmp", name)
+    t1 = time.perf_counter()
+    for b, name in enumerate(names):
+        fd = os.open(name, os.O_RDONLY)
+        os.readv(fd, block_parts(dst_np, b, dst.shape[3]))
+        os.close(fd)
+    t2 = time.perf_counter()
+    assert torch.equal(dst[:, :, :blocks], src[:, :, :blocks])
+    shutil.rmtree(directory, ignore_errors=True)
     return t1 - t0, t2 - t1
 
 
@@ -138,6 +168,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timings: dict[str, list[tuple[float, float]]] = {}
             for rep in range(args.repeats):
                 timings.setdefault("memcpy", []).append(bench_memcpy(src, dst, blocks))
+                if "fs" in args.backends:
+                    dst.zero_()
+                    timings.setdefault("tmpfs syscalls only", []).append(
+                        bench_tmpfs_raw(src, dst, blocks, shm / f"raw-{shape_name}-{rep}")
+                    )
                 for name in args.backends:
                     s = KVStoreSettings(name, kv_ttl=0, kv_capacity=0)
                     if name == "fs":
