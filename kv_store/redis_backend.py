@@ -15,6 +15,7 @@ eviction policy such as ``allkeys-lru``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -146,28 +147,34 @@ class RedisBackend(StorageBackend):
         except redis.RedisError as e:
             raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
 
-    def _get_into_once(self, keys: list[str], views: list[list[memoryview]]) -> list[int | None]:
+    @contextlib.contextmanager
+    def _raw_connection(self, doing: str) -> Iterator[Any]:
+        """A pooled connection whose socket we read or write ourselves. Socket errors
+        become redis-py's (so its retry policy applies), and a connection left mid-reply
+        by any error is dropped, never reused."""
         pool = self._client.connection_pool
-        # The pool hands out a connection with no unread data (it checks), so its replies
-        # start at our first GET; redis-py's parser is not used and holds nothing.
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands([("GET", self._k(k)) for k in keys]))
-            reader = _ReplyReader(conn._sock)  # noqa: SLF001 - the connection's own socket
-            out = [reader.bulk_into(v) for v in views]
-        except TimeoutError as e:  # socket.timeout: no reply within socket_timeout
+            yield conn
+        except TimeoutError as e:  # socket.timeout: nothing within socket_timeout
             conn.disconnect()
-            raise redis.TimeoutError(f"timeout reading a reply: {e}") from e
+            raise redis.TimeoutError(f"timeout {doing}: {e}") from e
         except OSError as e:
             conn.disconnect()
-            raise redis.ConnectionError(f"error reading a reply: {e}") from e
+            raise redis.ConnectionError(f"error {doing}: {e}") from e
         except BaseException:
-            # Replies may be left half-read: the connection cannot be reused.
             conn.disconnect()
             raise
         finally:
             pool.release(conn)
-        return out
+
+    def _get_into_once(self, keys: list[str], views: list[list[memoryview]]) -> list[int | None]:
+        # The pool hands out a connection with no unread data (it checks), so its replies
+        # start at our first GET; redis-py's parser is not used and holds nothing.
+        with self._raw_connection("reading a reply") as conn:
+            conn.send_packed_command(conn.pack_commands([("GET", self._k(k)) for k in keys]))
+            reader = _ReplyReader(conn._sock)  # noqa: SLF001 - the connection's own socket
+            return [reader.bulk_into(v) for v in views]
 
     def put_parts(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
         """Like ``put``, each value given as pieces sent back to back in one pipelined
@@ -203,25 +210,12 @@ class RedisBackend(StorageBackend):
             bufs.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(k), k, size))
             bufs += views
             bufs.append(b"\r\n" + ex)
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
+        with self._raw_connection("sending values") as conn:
             _send_all(conn._sock, bufs)  # noqa: SLF001 - the connection's own socket
             for _ in items:
                 reply = conn.read_response()  # redis-py raises on an error reply
                 if reply not in (b"OK", "OK", True):
                     raise redis.ResponseError(f"unexpected SET reply {reply!r}")
-        except TimeoutError as e:  # socket.timeout while sending
-            conn.disconnect()
-            raise redis.TimeoutError(f"timeout sending values: {e}") from e
-        except OSError as e:
-            conn.disconnect()
-            raise redis.ConnectionError(f"error sending values: {e}") from e
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
 
     def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         if not items:
