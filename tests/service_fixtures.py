@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launcher import free_ports, grpc_probe, http_probe
+from pdserve.procs import free_ports, grpc_probe, http_probe
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0

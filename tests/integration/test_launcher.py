@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launcher import free_ports
+from pdserve.procs import free_ports
 from tests.service_fixtures import REPO, child_env
 
 READY_TIMEOUT_S = 300.0

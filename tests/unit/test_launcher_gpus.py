@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import launcher
-from pdserve.launcher import Child, Launcher, LaunchError, assign_gpus, build_plan, gpu_ids
+from pdserve.launcher import assign_gpus, build_plan, gpu_ids
+from pdserve.procs import Child, Launcher, LaunchError
 
 
 def parse_up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:

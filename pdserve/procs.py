@@ -1,0 +1,238 @@
+"""Child processes of `pdserve up`: start each in its own process group with its output in
+a log file, probe health (gRPC health check, HTTP, TCP), supervise, and stop them all
+(SIGTERM to each group, SIGKILL after a grace period). The kernel also signals the children
+if the launcher itself is killed (PR_SET_PDEATHSIG), so nothing is left behind.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+Probe = Callable[[], bool]
+
+
+class LaunchError(RuntimeError):
+    """A part of the system could not be started (message names it)."""
+
+
+class Interrupted(LaunchError):
+    """Ctrl-C or SIGTERM arrived before the system was ready."""
+
+
+@dataclass(slots=True)
+class Child:
+    """One child process: its own process group, output to ``log_path``, a health probe."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    probe: Probe
+    proc: subprocess.Popen[bytes] | None = None
+    env_extra: dict[str, str] = field(default_factory=dict)  # e.g. this engine's GPU
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env, **self.env_extra},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def exited(self) -> int | None:
+        """The exit status if the process has ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def signal_group(self, signum: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signum)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies (Linux), so a killed
+    launcher leaves no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def grpc_probe(address: str) -> Probe:
+    """True once the service at ``address`` answers the standard health check with SERVING.
+    Each probe uses its own short-lived channel, so nothing stays connected afterwards."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def probe() -> bool:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return probe
+
+
+def http_probe(url: str) -> Probe:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - loopback URL we built
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    return probe
+
+
+def tcp_probe(port: int, send: bytes = b"", expect: bytes = b"") -> Probe:
+    def probe() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+                if send:
+                    s.sendall(send)
+                    return s.recv(64).startswith(expect)
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+@dataclass(slots=True)
+class Launcher:
+    """Builds, starts, watches and stops the children of one `pdserve up`."""
+
+    args: argparse.Namespace
+    workdir: Path
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+
+    def python(self, *argv: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "--log-level",
+            getattr(self.args, "log_level", "INFO"),
+            *argv,
+        ]
+
+    def child_env(self, threads: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            PYTHONHASHSEED="0",  # LMCache hashes token chunks with hash(); every process must agree
+            LMCACHE_TRACK_USAGE="false",
+            DO_NOT_TRACK="1",
+            TOKENIZERS_PARALLELISM="false",
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+        )
+        return env
+
+    def add(self, name: str, argv: list[str], probe: Probe) -> Child:
+        child = Child(name, argv, self.log_dir / f"{name}.log", probe)
+        self.children.append(child)
+        return child
+
+    def start(self, children: list[Child], env: dict[str, str]) -> None:
+        for child in children:
+            logger.debug("starting %s: %s", child.name, " ".join(child.argv))
+            child.start(env)
+
+    def wait_healthy(self, children: list[Child], deadline: float) -> None:
+        """Poll until every child is healthy; LaunchError if one exits or time runs out."""
+        pending = list(children)
+        while pending:
+            if self.stop_requested.is_set():
+                raise Interrupted("interrupted during startup")
+            for child in list(pending):
+                status = child.exited()
+                if status is not None:
+                    raise LaunchError(
+                        f"{child.name} exited with status {status} during startup; "
+                        f"last lines of {child.log_path}:\n{child.log_tail()}"
+                    )
+                if child.probe():
+                    logger.info("%s is healthy", child.name)
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                tails = "\n".join(
+                    f"--- {c.name} ({c.log_path}):\n{c.log_tail(10)}" for c in pending
+                )
+                raise LaunchError(
+                    f"not healthy within {self.args.startup_timeout:.0f} s: {names}\n{tails}"
+                )
+            self.stop_requested.wait(0.25)
+
+    def supervise(self) -> None:
+        """Until a stop is requested; LaunchError when a child dies meanwhile."""
+        while not self.stop_requested.wait(0.5):
+            for child in self.children:
+                status = child.exited()
+                if status is not None:
+                    raise LaunchError(
+                        f"{child.name} exited unexpectedly with status {status}; "
+                        f"last lines of {child.log_path}:\n{child.log_tail()}"
+                    )
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM every process group (router first, store last), SIGKILL what outlives ``grace``."""
+        for child in reversed(self.children):
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", child.name, grace)
+            # Kill the whole group even after a clean exit: grandchildren must not linger.
+            child.signal_group(signal.SIGKILL)
+            child.proc.wait()
