@@ -10,6 +10,7 @@ blocks and ``failure_reason`` says why the rest did not load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -73,7 +74,11 @@ class BlockStoreConnector(AsyncConnectorBase):
         batch_blocks: int = 8,
         transfer_timeout_s: float = 30.0,
         io_threads: int | None = None,
+        staged: bool | None = None,
     ) -> None:
+        """``staged`` (default: when the bound cache is on a GPU) moves each batch of
+        blocks through a per-I/O-thread host staging buffer in one copy per direction;
+        tests force it for a CPU cache to run the same path."""
         if batch_blocks < 1:
             raise ValueError(f"batch_blocks must be >= 1, got {batch_blocks}")
         self.name = name
@@ -88,9 +93,9 @@ class BlockStoreConnector(AsyncConnectorBase):
         # all release the GIL. Separate from the per-transfer pool so it cannot deadlock.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-{name}-io")
         self._tls = threading.local()
-        self._kv_np: np.ndarray | None = (
-            None  # per-I/O-thread record buffers, reused across batches
-        )
+        self._kv_np: np.ndarray | None = None  # the CPU cache as numpy, for the direct paths
+        self._staged_opt = staged
+        self._staged = False  # batches go through _Staging (GPU cache, fs/redis backend)
 
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
@@ -102,7 +107,9 @@ class BlockStoreConnector(AsyncConnectorBase):
         direct = isinstance(self.backend, FsBackend) or (
             isinstance(self.backend, RedisBackend) and self.backend.supports_get_into
         )
-        self._kv_np = cache_numpy(kv_cache) if direct else None
+        on_gpu = kv_cache.device.type == "cuda"
+        self._staged = direct and (on_gpu if self._staged_opt is None else self._staged_opt)
+        self._kv_np = cache_numpy(kv_cache) if direct and not self._staged else None
 
     # -- scheduler side ---------------------------------------------------------------------
     def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
@@ -158,6 +165,11 @@ class BlockStoreConnector(AsyncConnectorBase):
         """Encode and put one batch (on an I/O thread); returns the bytes written."""
         deadline.check()
         kv, layout = self._bound()
+        if self._staged and isinstance(self.backend, FsBackend | RedisBackend):
+            staging = self._staging(kv)
+            host = staging.gather(kv, [t.block_ids[i] for i, _ in batch])
+            slots = list(range(len(batch)))
+            return self._save_batch_direct(self.backend, host, layout, t, batch, slots)
         if self._kv_np is not None and isinstance(self.backend, FsBackend | RedisBackend):
             return self._save_batch_direct(self.backend, self._kv_np, layout, t, batch)
         bufs: list[bytearray] = getattr(self._tls, "bufs", [])
@@ -177,12 +189,15 @@ class BlockStoreConnector(AsyncConnectorBase):
         layout: KvLayout,
         t: KVTransfer,
         batch: list[tuple[int, str]],
+        slots: list[int] | None = None,
     ) -> int:
+        """``slots[j]``: where batch entry j's block sits in ``kv_np`` (default: its block
+        id; a staging buffer holds the batch's blocks at 0, 1, ...)."""
         items: list[tuple[str, list[Blob]]] = []
         nbytes = 0
-        for i, key in batch:
+        for j, (i, key) in enumerate(batch):
             n = t.block_num_tokens[i]
-            parts = block_parts(kv_np, t.block_ids[i], n)
+            parts = block_parts(kv_np, t.block_ids[i] if slots is None else slots[j], n)
             items.append((key, [record_header(layout, n, parts), *parts]))
             nbytes += record_size(layout, n)
         backend.put_parts(items)
@@ -225,6 +240,16 @@ class BlockStoreConnector(AsyncConnectorBase):
         where failure is ``(reason, message)`` for the first bad block, else None."""
         deadline.check()
         kv, layout = self._bound()
+        if self._staged:
+            staging = self._staging(kv)
+            host = staging.host(len(idx))
+            slots = list(range(len(idx)))
+            result = self._load_batch_direct(self.backend, host, layout, t, idx, keys, slots)
+            if result[0]:  # scatter the verified leading blocks into the cache
+                full = layout.block_size
+                targets = [(t.block_ids[i], t.block_num_tokens[i]) for i in idx[: result[0]]]
+                staging.scatter(kv, targets, full, slots=len(idx))
+            return result
         if self._kv_np is not None:
             return self._load_batch_direct(self.backend, self._kv_np, layout, t, idx, keys)
         values = self.backend.get(keys)
@@ -250,12 +275,17 @@ class BlockStoreConnector(AsyncConnectorBase):
         t: KVTransfer,
         idx: list[int],
         keys: list[str],
+        slots: list[int] | None = None,
     ) -> tuple[int, int, tuple[str, str] | None]:
         """``_load_batch`` receiving each record straight into its cache block (fs:
-        ``readv`` key by key; Redis: one pipelined batch). A block that then fails
-        verification holds garbage, but is not counted as loaded."""
+        ``readv`` key by key; Redis: one pipelined batch), or into ``slots[j]`` of a staging
+        buffer. A block that then fails verification holds garbage, but is not counted as
+        loaded."""
         headers = [bytearray(HEADER_SIZE) for _ in keys]
-        parts = [block_parts(kv_np, t.block_ids[i], t.block_num_tokens[i]) for i in idx]
+        where = [t.block_ids[i] for i in idx] if slots is None else slots
+        parts = [
+            block_parts(kv_np, w, t.block_num_tokens[i]) for i, w in zip(idx, where, strict=True)
+        ]
         bufs: list[list[Blob]] = [[h, *ps] for h, ps in zip(headers, parts, strict=True)]
         sizes: Iterable[int | None]
         if isinstance(backend, FsBackend):
@@ -284,7 +314,78 @@ class BlockStoreConnector(AsyncConnectorBase):
             nbytes += size
         return loaded, nbytes, None
 
+    def _staging(self, kv: torch.Tensor) -> _Staging:
+        staging: _Staging | None = getattr(self._tls, "staging", None)
+        if staging is None:
+            staging = self._tls.staging = _Staging(kv, self.batch_blocks)
+        return staging
+
     def close(self) -> None:
         super().close()
         self._io.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
+
+
+class _Staging:
+    """One I/O thread's host buffer (pinned for a GPU cache) and stream for moving a batch
+    of blocks between the cache and the store: a save gathers the batch's blocks on the
+    device and copies them out in one transfer, a load copies the verified records in with
+    one transfer and scatters them on the device. Per-block ``.cpu()`` / ``copy_`` calls
+    cost a synchronous small copy each (the two-GPU run moved 512 MiB of KV at ~1 GB/s);
+    the side stream keeps these copies off the engine's compute stream."""
+
+    def __init__(self, kv: torch.Tensor, max_blocks: int) -> None:
+        layers, two, _, block_size, heads, dim = kv.shape
+        self.block_dims = (layers, two, block_size, heads, dim)
+        per_block = layers * two * block_size * heads * dim
+        cuda = kv.device.type == "cuda"
+        self.flat = torch.empty(max_blocks * per_block, dtype=kv.dtype, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(kv.device) if cuda else None
+
+    def _view(self, count: int) -> torch.Tensor:
+        layers, two, block_size, heads, dim = self.block_dims
+        n = layers * two * count * block_size * heads * dim
+        return self.flat[:n].view(layers, two, count, block_size, heads, dim)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        return (
+            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        )
+
+    def host(self, count: int) -> np.ndarray:
+        """The buffer for ``count`` blocks as an integer numpy array (for ``block_parts``)."""
+        host = cache_numpy(self._view(count))
+        assert host is not None
+        return host
+
+    def gather(self, kv: torch.Tensor, block_ids: list[int]) -> np.ndarray:
+        """Copy the blocks ``block_ids`` of ``kv`` into the buffer (slots 0, 1, ...)."""
+        view = self._view(len(block_ids))
+        with self._on_stream():
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            view.copy_(kv.index_select(2, ids), non_blocking=True)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.host(len(block_ids))
+
+    def scatter(
+        self, kv: torch.Tensor, targets: list[tuple[int, int]], block_size: int, slots: int
+    ) -> None:
+        """Copy slot j of the buffer as last filled for ``slots`` blocks (``host(slots)``:
+        the layout depends on the count) into block ``targets[j][0]`` of ``kv``, its first
+        ``targets[j][1]`` tokens only (a partial block leaves the rest untouched)."""
+        view = self._view(slots)
+        with self._on_stream():
+            src = view.to(kv.device, non_blocking=True)
+            full = [j for j, (_, n) in enumerate(targets) if n == block_size]
+            if full:
+                ids = torch.tensor(
+                    [targets[j][0] for j in full], dtype=torch.long, device=kv.device
+                )
+                rows = src if len(full) == slots else src[:, :, full]
+                kv.index_copy_(2, ids, rows)
+            for j, (block_id, n) in enumerate(targets):
+                if n != block_size:
+                    kv[:, :, block_id, :n].copy_(src[:, :, j, :n])
+        if self.stream is not None:
+            self.stream.synchronize()

@@ -62,3 +62,34 @@ def test_fs_records_are_device_independent(tmp_path: Path, src: str, dst: str) -
         _roundtrip(t, "bfloat16", src, dst)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_block_paths_on_gpu_match(tmp_path: Path, staged: bool) -> None:
+    """Both GPU paths (staged batches, the default; per-block copies) save and load the
+    same bytes, a partial tail included, and read each other's records."""
+    from kv_store.block_connector import BlockStoreConnector
+    from kv_store.fs_backend import FsBackend
+
+    lay = layout("bfloat16")
+    src = random_cache(lay, 10, seed=4).cuda()
+    tokens = prompt(9, 4 * BS + 3)
+    saver = BlockStoreConnector(FsBackend(tmp_path), batch_blocks=2, staged=staged)
+    loader = BlockStoreConnector(FsBackend(tmp_path), batch_blocks=3, staged=not staged)
+    try:
+        saver.bind_kv_cache(src, lay, "fp-gpu")
+        saver.start_save(transfer("p1", tokens, [9, 1, 4, 6, 0]))
+        assert one(saver).ok
+        dst = torch.zeros_like(src)
+        loader.bind_kv_cache(dst, lay, "fp-gpu")
+        loader.start_load(transfer("p1", tokens, [2, 3, 5, 7, 8]))
+        r = one(loader)
+        assert r.ok and r.num_loaded_blocks == 5, r
+        got, want = dst.cpu(), src.cpu()
+        for a, b in ((9, 2), (1, 3), (4, 5), (6, 7)):
+            assert torch.equal(got[:, :, b], want[:, :, a])
+        assert torch.equal(got[:, :, 8, :3], want[:, :, 0, :3]) and not got[:, :, 8, 3:].any()
+        assert not got[:, :, [0, 1, 4, 6, 9]].any()
+    finally:
+        saver.close()
+        loader.close()
