@@ -60,6 +60,13 @@ class IncrementalDetokenizer:
         det = cls(tokenizer, stop, skip_special, list(initial_ids))
         det.read_offset = len(det.token_ids)
         det.prefix_offset = max(0, det.read_offset - _INITIAL_CONTEXT_TOKENS)
+        if det.max_stop_len > 1 and det.token_ids and tokenizer is not None:
+            # A stop string may begin in the initial text and end in the new text: keep the
+            # initial text's last max_stop_len - 1 characters as already returned, so the
+            # stop search sees them. One full decode, once (a suffix of the ids can hold
+            # fewer characters than that when it is mostly skipped special tokens).
+            tail = det._decode(det.token_ids)[-(det.max_stop_len - 1) :]
+            det.text, det.emitted = tail, len(tail)
         return det
 
     def _decode(self, ids: list[int]) -> str:

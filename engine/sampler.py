@@ -120,8 +120,9 @@ class Sampler:
             token = int(host[i])
             logprob = None
             if k is not None and top_k is not None:
-                row_ids = host[2 * n + i * top_k : 2 * n + i * top_k + k]
-                row_vals = host[2 * n + n * top_k + i * top_k :][:k]
+                a = 2 * n + i * top_k  # row i's top ids; its values are n * top_k further
+                row_ids = host[a : a + k]
+                row_vals = host[a + n * top_k : a + n * top_k + k]
                 top = [(int(t), v) for t, v in zip(row_ids, row_vals, strict=True)]
                 logprob = TokenLogprob(token, host[n + i], top)
             out.append(SampledToken(token, logprob))

@@ -137,9 +137,19 @@ class InputBuilder:
             comp.append(start)
         if len(ids) != total:
             raise ValueError(f"scheduled {total} new tokens but found {len(ids)} token ids")
-        rows = self._table_rows(scheduled)
         qsl = np.array(starts, dtype=np.int64)
         lens = np.array(seq_lens, dtype=np.int64)
+        have = np.fromiter((len(s.block_ids) for s in scheduled), dtype=np.int64, count=n)
+        if (short := np.flatnonzero(have * bs < lens)).size:
+            # A reused host row holds its previous occupant's ids past ``have``: without
+            # this check those would become this request's slots (KV written into another
+            # request's blocks).
+            s = scheduled[int(short[0])]
+            raise ValueError(
+                f"block_ids of request {s.request.request_id!r} cover {len(s.block_ids) * bs} "
+                f"tokens, fewer than the {seq_lens[int(short[0])]} it attends to this step"
+            )
+        rows = self._table_rows(scheduled)
         q = qsl[1:] - qsl[:-1]
         max_query_len = int(q.max())
         if max_query_len == 1:  # pure decode: one token per request

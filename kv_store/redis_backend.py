@@ -139,7 +139,9 @@ class RedisBackend(StorageBackend):
             return []
         if not self.supports_get_into:
             raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.url!r}")
-        views = [[memoryview(b).cast("B") for b in bufs] for bufs in parts]
+        # Checked before anything is sent: a bad buffer found mid-reply would leave earlier
+        # keys' buffers written and raise a TypeError from inside the socket loop.
+        views = [_byte_views(bufs, f"parts[{i}]", writable=True) for i, bufs in enumerate(parts)]
         try:
             return self._client.get_retry().call_with_retry(  # type: ignore[no-any-return]
                 lambda: self._get_into_once(keys, views), lambda _err: None
@@ -181,17 +183,21 @@ class RedisBackend(StorageBackend):
         batch, so a record goes from the cache to the socket without being assembled."""
         if not items:
             return
+        views = [
+            (key, _byte_views(parts, f"items[{i}]", writable=False))
+            for i, (key, parts) in enumerate(items)
+        ]
         if not self.supports_get_into:
-            self.put([(key, b"".join(parts)) for key, parts in items])
+            self.put([(key, b"".join(parts)) for key, parts in views])
             return
         try:
             self._client.get_retry().call_with_retry(
-                lambda: self._put_parts_once(items), lambda _err: None
+                lambda: self._put_parts_once(views), lambda _err: None
             )
         except redis.RedisError as e:
             raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
 
-    def _put_parts_once(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
+    def _put_parts_once(self, items: Sequence[tuple[str, list[memoryview]]]) -> None:
         ex = (
             b""
             if self.ttl_s is None
@@ -203,9 +209,8 @@ class RedisBackend(StorageBackend):
         )
         nargs = 3 if self.ttl_s is None else 5
         bufs: list[Blob] = []
-        for key, parts in items:
+        for key, views in items:
             k = self._k(key).encode()
-            views = [memoryview(p).cast("B") for p in parts]
             size = sum(v.nbytes for v in views)
             bufs.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(k), k, size))
             bufs += views
@@ -239,6 +244,21 @@ class RedisBackend(StorageBackend):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _byte_views(bufs: Sequence[Blob], name: str, *, writable: bool) -> list[memoryview]:
+    """Byte views of ``bufs``; ``ValueError`` naming the buffer if one is not C-contiguous
+    (or, for ``writable``, is read-only)."""
+    views = []
+    for j, b in enumerate(bufs):
+        try:
+            v = memoryview(b).cast("B")
+        except TypeError as e:
+            raise ValueError(f"{name}[{j}] must be a C-contiguous buffer: {e}") from None
+        if writable and v.readonly:
+            raise ValueError(f"{name}[{j}] is read-only; values are received into it")
+        views.append(v)
+    return views
 
 
 def _send_all(sock: socket.socket, bufs: Sequence[Blob]) -> None:

@@ -268,8 +268,9 @@ static void *worker(void *arg) {
  * Attention of `n` query rows over their requests' paged contexts.
  * Item i uses request reqs[i] (its seq_lens entry and block-table row) and query/output
  * row q_rows[i]; NULL for either means i. Every index is checked before any work starts;
- * on a bad one the function returns its PD_* code and sets *bad_index to the item, with
- * `out` untouched. Returns PD_OK on success.
+ * on a bad one the function returns its PD_* code and sets *bad_index to the item (for a
+ * bad request or query row) or the request (for a bad length or block id), with `out`
+ * untouched. Returns PD_OK on success.
  */
 int pd_paged_decode(const float *q, int64_t q_tokens, int64_t q_heads, const float *kv_cache,
                     int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t dim,
@@ -285,6 +286,7 @@ int pd_paged_decode(const float *q, int64_t q_tokens, int64_t q_heads, const flo
         if (req < 0 || req >= num_reqs) return PD_BAD_REQ;
         if (row < 0 || row >= q_tokens) return PD_BAD_Q_ROW;
         const int64_t len = seq_lens[req];
+        *bad_index = req; /* a bad length or table is the request's entry, not the item's */
         if (len < 1 || len > table_width * block_size) return PD_BAD_SEQ_LEN;
         const int32_t *table = tables + req * table_width;
         for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++)

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fP
 
 _ERRORS = {
     1: "seq_lens[{i}] must be in [1, table_width * block_size]",
-    2: "block_tables row of item {i} holds a block id outside [0, num_blocks)",
+    2: "block_tables[{i}] holds a block id outside [0, num_blocks)",
     3: "reqs[{i}] is outside [0, num_reqs)",
     4: "q_rows[{i}] is outside [0, query tokens)",
     5: "out of memory for the attention scratch buffers",
@@ -82,7 +83,10 @@ def _build_key(compiler: list[str], source: bytes) -> str:
 def build_library(directory: Path | None = None) -> Path:
     """Compile ``cpu_decode.c`` (or reuse the cached build) and return the library's path.
     Raises RuntimeError when no compiler is found or the compile fails."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or ""]
+    try:
+        compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or ""]
+    except ValueError as exc:  # e.g. unbalanced quotes: a bad setting, not a crash
+        raise RuntimeError(f"cannot parse $CC {os.environ.get('CC')!r}: {exc}") from None
     if not compiler[0]:
         raise RuntimeError("no C compiler ('cc') on PATH")
     source = SOURCE.read_bytes()
@@ -150,6 +154,10 @@ class DecodeKernel:
         _check_float(out, "out", 3)
         tokens, q_heads, dim = query.shape
         two, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
+        if dim < 1:
+            # The kernel's vector loops read 16 floats per step from the rows: with an empty
+            # head there is no row to read (a 0-sized cache is a null pointer).
+            raise ValueError(f"query head dim must be >= 1, got {list(query.shape)}")
         if two != 2 or kv_dim != dim or num_blocks < 1 or block_size < 1 or kv_heads < 1:
             raise ValueError(
                 f"kv_cache must be [2, num_blocks, block_size, kv_heads, {dim}], "
@@ -215,10 +223,20 @@ def _check_int(t: torch.Tensor, name: str, ndim: int, dtype: torch.dtype) -> Non
         )
 
 
-@functools.cache
+# functools.cache alone lets concurrent first calls each run the (seconds-long) build.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_decode_kernel() -> DecodeKernel | None:
     """The process's decode kernel, built on first call; None (after one warning) when the
-    build fails. Cached: a process compiles and warns at most once."""
+    build fails. Cached: a process compiles and warns at most once, also when several
+    threads make the first call at once."""
+    with _LOAD_LOCK:
+        return _load_decode_kernel()
+
+
+@functools.cache
+def _load_decode_kernel() -> DecodeKernel | None:
     try:
         return DecodeKernel(build_library())
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:

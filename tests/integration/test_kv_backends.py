@@ -189,3 +189,29 @@ def test_redis_put_parts_sends_pieces_as_one_value(redis_server: str) -> None:
         raw.close()
     finally:
         no_ttl.close()
+
+
+def test_redis_bad_buffers_are_value_errors_before_any_io(redis_server: str) -> None:
+    """A read-only or non-contiguous buffer is a ValueError naming it, raised before
+    anything is sent or written (it was a TypeError from inside the reply loop, after
+    earlier keys' buffers had been filled); the backend stays usable."""
+    b = RedisBackend(redis_server, key_prefix="bb:")
+    try:
+        b.put([("a", b"0123456789"), ("b", b"abcdefghij")])
+        strided = memoryview(bytearray(20))[::2]  # writable, not C-contiguous
+        cases: list[tuple[bytes | memoryview, str]] = [
+            (bytes(10), "read-only"),
+            (strided, "C-contiguous"),
+        ]
+        for bad, why in cases:
+            first = [bytearray(10)]
+            with pytest.raises(ValueError, match=rf"parts\[1\]\[0\] .*{why}"):
+                b.get_into(["a", "b"], [first, [bad]])
+            assert first == [bytearray(10)]  # nothing received
+        with pytest.raises(ValueError, match=r"items\[1\]\[1\] must be a C-contiguous"):
+            b.put_parts([("c", [b"x"]), ("d", [b"y", strided])])
+        assert b.get(["c", "d"]) == [None, None]  # nothing sent
+        got = [bytearray(10)]
+        assert b.get_into(["b"], [got]) == [10] and got == [bytearray(b"abcdefghij")]
+    finally:
+        b.close()

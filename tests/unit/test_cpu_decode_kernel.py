@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,13 +185,85 @@ def test_build_cache_reused_and_missing_compiler_warns(
     # No compiler: one warning and None, so the backend keeps the torch path.
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "fresh"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    load_decode_kernel.cache_clear()
+    cpu_kernels._load_decode_kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert load_decode_kernel() is None
         assert "CPU attention kernel unavailable" in caplog.text
     finally:
-        load_decode_kernel.cache_clear()
+        cpu_kernels._load_decode_kernel.cache_clear()
+
+
+def test_unparsable_cc_warns_and_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A malformed $CC (unbalanced quote) is a bad setting: one warning, the torch path."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "fresh"))
+    monkeypatch.setenv("CC", "'gcc -O2")
+    cpu_kernels._load_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert load_decode_kernel() is None
+        assert "cannot parse $CC" in caplog.text
+    finally:
+        cpu_kernels._load_decode_kernel.cache_clear()
+
+
+def test_concurrent_first_calls_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads making the first call at once share one build and one kernel (the compile
+    takes seconds; each thread running its own was the cache's race)."""
+    log = tmp_path / "compiles"
+    cc = tmp_path / "cc-logging"
+    # The real compiler, behind a wrapper that notes each compile (not the --version probe).
+    cc.write_text(
+        f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo x >> "{log}";; esac\nexec cc "$@"\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    cpu_kernels._load_decode_kernel.cache_clear()
+    try:
+        results: list[DecodeKernel | None] = []
+        start = threading.Barrier(4)
+
+        def first_call() -> None:
+            start.wait()
+            results.append(load_decode_kernel())
+
+        workers = [threading.Thread(target=first_call) for _ in range(4)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        assert len(results) == 4 and results[0] is not None
+        assert all(r is results[0] for r in results)
+        assert log.read_text().count("x") == 1
+    finally:
+        cpu_kernels._load_decode_kernel.cache_clear()
+
+
+def test_empty_head_dim_is_rejected(kernel: DecodeKernel) -> None:
+    """Head dim 0 is a ValueError (it was a segfault: the vector loops read a null cache)."""
+    query = torch.zeros(1, 2, 0)
+    with pytest.raises(ValueError, match="head dim"):
+        kernel(
+            query, torch.zeros(2, 4, 16, 2, 0), torch.zeros(1, 2, dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32), 1.0, torch.empty_like(query),
+        )  # fmt: skip
+
+
+def test_errors_name_the_request_not_the_item(kernel: DecodeKernel) -> None:
+    """With reqs/q_rows, a bad seq_lens entry or block-table row is named by its request
+    index (the entry to fix), not by the position in the item list."""
+    query, cache, tables, _, _ = _paged_case([5, 20, 9], 4, 2, 64, 16, seed=3)
+    out = torch.empty_like(query)
+    items = dict(reqs=torch.tensor([2]), q_rows=torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"seq_lens\[2\]"):
+        kernel(query, cache, tables, torch.tensor([5, 20, 0], dtype=torch.int32), 0.1, out, **items)
+    bad = tables.clone()
+    bad[2, 0] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[2\] holds a block id"):
+        kernel(query, cache, bad, torch.tensor([5, 20, 9], dtype=torch.int32), 0.1, out, **items)
 
 
 def test_bad_inputs_raise_value_error(kernel: DecodeKernel) -> None:

@@ -204,3 +204,26 @@ def test_backend_decode_shortcut_equals_tokenizer_decode(tokenizer: Any, skip: b
         ids = _random_ids(rng, len(tokenizer), specials, rng.randrange(0, 20))
         want = tokenizer.decode(ids, skip_special_tokens=skip)
         assert fast(ids) == want and generic(ids) == want
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stop_string_spanning_initial_ids_is_found(tokenizer: Any, skip: bool) -> None:
+    """A stop string that begins in the initial ids' text and ends in the new text stops
+    the stream (as the full-decode reference does): the initial text's tail is searched."""
+    ids = tokenizer.encode("Hello world, this is a test.", add_special_tokens=False)
+    initial = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("world"))
+    assert tokenizer.decode(ids[initial : initial + 1]).startswith(",")
+    for stop in (["d,", "never-there"], ["world, th"], ["ld, this is"]):
+        det = IncrementalDetokenizer.start(tokenizer, stop, skip, ids[:initial])
+        assert det.add(ids[initial : initial + 3], finished=False) == ""
+        assert det.stopped, stop
+        _compare(tokenizer, ids, stop, skip, initial)
+    # Random initial splits and multi-character stops, against the reference.
+    rng = random.Random(11)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids, skip_special_tokens=skip)
+        for _ in range(8):
+            a = rng.randrange(0, max(1, len(full) - 1))
+            stop = [full[a : a + rng.randrange(2, 8)], "zz-never"]
+            _compare(tokenizer, ids, stop, skip, rng.randrange(1, len(ids)))

@@ -199,3 +199,36 @@ def test_token_ids_slice_and_block_hashes() -> None:
         assert req.token_ids_slice(a, b) == full[a:b]
         req.update_block_hashes(BS)
         assert req.block_hashes == compute_block_hashes(full, BS)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_too_few_blocks_is_rejected_not_read_from_a_reused_row(staged: bool) -> None:
+    """A request whose block_ids do not cover its tokens is a ValueError naming it. The
+    host row it gets may have held another request's ids, which would otherwise become its
+    slots (its KV written into the other request's blocks); a table narrower than the
+    tokens need must not fail with an IndexError either."""
+    builder = InputBuilder(torch.device("cpu"), BS, max_blocks_per_req=2, staged=staged)
+    a = Request("a", list(range(12)), SamplingParams(max_tokens=10))
+    check(builder, [ScheduledRequest(a, 12, [1, 2, 3], [], 0)])
+    c = Request("c", list(range(5)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="block_ids of request 'c' cover 4 tokens"):
+        builder.build([ScheduledRequest(c, 5, [9], [], 1)])  # reuses a's row: 9, 2, 3
+    wide = Request("w", list(range(40)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="block_ids of request 'w'"):
+        builder.build([ScheduledRequest(wide, 40, [4, 5], [], 2)])
+    check(builder, [ScheduledRequest(c, 5, [9, 10], [], 1)])  # still usable afterwards
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_request_listed_twice_gets_two_rows(staged: bool) -> None:
+    """The same request twice in one step (the builder must not share or clobber its row),
+    then alone again, then with its table replaced under a new epoch."""
+    builder = InputBuilder(torch.device("cpu"), BS, max_blocks_per_req=1, staged=staged)
+    a = Request("a", list(range(12)), SamplingParams(max_tokens=10))
+    b = Request("b", list(range(6)), SamplingParams(max_tokens=10))
+    check(builder, [ScheduledRequest(a, 12, [1, 2, 3], [], 0), ScheduledRequest(b, 6, [4, 5])])
+    a.num_computed_tokens = 11
+    twice = [ScheduledRequest(a, 1, [1, 2, 3], [], 0), ScheduledRequest(a, 1, [1, 2, 3], [], 0)]
+    check(builder, [*twice, ScheduledRequest(b, 6, [4, 5])])
+    check(builder, [ScheduledRequest(a, 1, [1, 2, 3, 6], [], 0)])
+    check(builder, [ScheduledRequest(a, 1, [7, 8, 9], [], 3), ScheduledRequest(b, 6, [4, 5])])
