@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import run_interpreted
+
 # id: (q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, forced splits or 0, pad)
 CASES: dict[str, tuple[list[int], list[int], int, int, int, int, str, int, int]] = {
     "decode_g1_f32": ([1, 1, 1], [0, 20, 47], 4, 4, 64, 16, "float32", 0, 0),
@@ -108,18 +106,10 @@ def main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, float]]:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # a missing dependency is a failure, not a skip
-        pytest.fail(f"triton is not installed ({exc}); it is a dev dependency: pip install triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    payload, _ = run_interpreted(__file__)
     print(f"seed {payload['seed']}")
-    return payload["results"]
+    results: dict[str, dict[str, float]] = payload["results"]
+    return results
 
 
 @pytest.mark.parametrize("name", list(CASES))

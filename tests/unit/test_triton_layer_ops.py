@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import run_interpreted
+
 # name: (op, rows/tokens, width or (q_heads, kv_heads, head_dim), dtype)
 SMALL_CASES: dict[str, tuple[str, int, Any, str]] = {
     "rms_norm_f32": ("rms_norm", 5, 64, "float32"),
@@ -147,17 +146,9 @@ def run_cases(cases: dict[str, tuple[str, int, Any, str]], device: str) -> dict[
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # a missing dependency is a failure, not a skip
-        pytest.fail(f"triton is not installed ({exc}); it is a dev dependency: pip install triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    print(proc.stderr.strip().splitlines()[0])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results, stderr = run_interpreted(__file__)
+    print(stderr.strip().splitlines()[0])
+    return dict(results)
 
 
 @pytest.mark.parametrize("name", list(SMALL_CASES))

@@ -1,0 +1,35 @@
+"""Run a test module's cases in a child process under Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before triton is first imported, and another test in the
+same pytest process may already have imported it, so kernel tests that run on the CPU
+execute their module as a script in a fresh process and read its JSON result back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str, timeout_s: float = 300) -> tuple[Any, str]:
+    """Run ``script`` (a test module's path) with TRITON_INTERPRET=1; returns the JSON on
+    the last line of its stdout and its stderr. A missing triton is a failure, not a skip."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"triton is not installed ({exc}); it is a dev dependency: pip install triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
