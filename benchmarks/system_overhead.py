@@ -21,22 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import platform
-import queue
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,422 +39,32 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdserve.bench.metrics import itls_from_chunk_times, percentile, stats_ms  # noqa: E402
+from benchmarks.system_overhead_paths import (  # noqa: E402
+    EngineWorker,
+    PdserveUp,
+    RequestFailed,
+    request_body,
+    stream_http,
+    up_argv,
+)
+from benchmarks.system_overhead_report import (  # noqa: E402
+    TARGET_ITL_MS,
+    TARGET_TTFT_MS,
+    Stream,
+    latency_summary,
+    overhead,
+    paired_added,
+    phase_medians,
+    render_markdown,
+)
+from pdserve.bench.metrics import percentile  # noqa: E402
 from pdserve.bench.offline import random_prompts  # noqa: E402
+from pdserve.procs import free_ports  # noqa: E402
 from pdserve.settings import memory_size  # noqa: E402
 
 logger = logging.getLogger("system_overhead")
 HERE = Path(__file__).resolve().parent
-READY = "pdserve is ready"
 VOCAB = 49152  # the tiny model uses SmolLM2's tokenizer
-
-
-class RequestFailed(RuntimeError):
-    """A request through the router did not complete as expected (message says why)."""
-
-
-@dataclass(slots=True)
-class Stream:
-    """One streamed request as its client saw it (times in seconds from the call)."""
-
-    token_times: list[float]
-    tokens: int
-    text: str
-    timings: dict[str, float] | None = None
-
-
-# -- pure helpers: summaries, overhead arithmetic, the report ---------------------------------
-BURST_GAP_S = 0.0002  # gaps shorter than this: tokens that arrived in one burst
-
-
-def latency_summary(streams: list[Stream]) -> dict[str, Any]:
-    """Latency statistics (ms) of ``streams``: ``ttft_ms``; ``itl_ms`` over every gap;
-    ``first_gap_ms`` (token 1 → 2: in P/D the prefill → decode hand-off); ``steady_itl_ms``
-    (the gaps after it); ``tpot_ms``, each request's mean gap (last − first) / (n − 1), which
-    bursty delivery cannot hide; ``e2e_ms`` (call → last token); and ``burst_fraction``, the
-    share of gaps under 0.2 ms. ValueError on no streams or a stream without tokens."""
-    if not streams or any(not s.token_times for s in streams):
-        raise ValueError("every stream needs at least one token")
-    gaps = [itls_from_chunk_times(s.token_times) for s in streams]
-    every = [g for gs in gaps for g in gs]
-
-    def stats(values: list[float]) -> dict[str, Any] | None:
-        st = stats_ms(values)
-        return None if st is None else asdict(st)
-
-    return {
-        "requests": len(streams),
-        "tokens": sum(s.tokens for s in streams),
-        "ttft_ms": stats([s.token_times[0] for s in streams]),
-        "itl_ms": stats(every),
-        "first_gap_ms": stats([gs[0] for gs in gaps if gs]),
-        "steady_itl_ms": stats([g for gs in gaps for g in gs[1:]]),
-        "tpot_ms": stats([sum(gs) / len(gs) for gs in gaps if gs]),
-        "e2e_ms": stats([s.token_times[-1] for s in streams]),
-        "burst_fraction": sum(g < BURST_GAP_S for g in every) / len(every) if every else 0.0,
-    }
-
-
-def overhead(
-    base: dict[str, Any], other: dict[str, Any], ttft_target_ms: float, itl_target_ms: float
-) -> dict[str, Any]:
-    """``other`` minus ``base`` (two ``latency_summary`` results): ``added_{m}_{q}_ms`` and
-    ``{m}_{q}_ratio`` (other / base) for m in ttft, itl, tpot, e2e and q in p50, p99. The
-    TTFT target holds when the added TTFT p50 is within it; the ITL target when both the
-    added ITL p50 and the added TPOT p50 are (a bursty stream has a near-zero median gap
-    but not a smaller mean one)."""
-    out: dict[str, Any] = {}
-    for name in ("ttft", "itl", "tpot", "e2e"):
-        for q in ("p50", "p99"):
-            b, o = base[f"{name}_ms"][q], other[f"{name}_ms"][q]
-            out[f"added_{name}_{q}_ms"] = o - b
-            out[f"{name}_{q}_ratio"] = o / b if b > 0 else None
-    out["ttft_target_met"] = out["added_ttft_p50_ms"] <= ttft_target_ms
-    out["itl_target_met"] = max(out["added_itl_p50_ms"], out["added_tpot_p50_ms"]) <= itl_target_ms
-    return out
-
-
-def paired_added(base: list[Stream], other: list[Stream]) -> dict[str, float]:
-    """Median over requests of (other − base) for the same prompt, in ms: TTFT, TPOT, e2e.
-    Pairs requests that ran back to back, so it is less exposed to load drift than a
-    difference of medians. ValueError when the lists differ in length or are empty."""
-    if not base or len(base) != len(other):
-        raise ValueError(f"need equally many streams, got {len(base)} and {len(other)}")
-
-    def tpot(s: Stream) -> float:
-        n = len(s.token_times)
-        return (s.token_times[-1] - s.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-    metrics = {"ttft": lambda s: s.token_times[0], "tpot": tpot, "e2e": lambda s: s.token_times[-1]}
-    return {
-        name: percentile([f(o) - f(b) for b, o in zip(base, other, strict=True)], 50) * 1e3
-        for name, f in metrics.items()
-    }
-
-
-def phase_medians(streams: list[Stream]) -> dict[str, float]:
-    """Median (ms) of each router phase timing, plus ``outside_router`` = client TTFT minus
-    the router's own TTFT (HTTP, SSE framing, the client). Empty without timings."""
-    timed = [s for s in streams if s.timings]
-    if not timed:
-        return {}
-    keys = list(dict.fromkeys(k for s in timed for k in s.timings or {}))  # router's order
-    out = {k: percentile([(s.timings or {}).get(k, 0.0) for s in timed], 50) * 1e3 for k in keys}
-    outside = [s.token_times[0] - t["ttft"] for s in timed if "ttft" in (t := s.timings or {})]
-    if outside:
-        out["outside_router"] = percentile(outside, 50) * 1e3
-    return out
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def _p(summary: dict[str, Any], key: str, q: str) -> float | None:
-    stats = summary.get(key)
-    return None if stats is None else float(stats[q])
-
-
-LOW_LOAD_COLUMNS = (
-    ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"), ("ITL p50", "itl_ms", "p50"),
-    ("ITL p99", "itl_ms", "p99"), ("token 1→2 p50", "first_gap_ms", "p50"),
-    ("TPOT p50", "tpot_ms", "p50"), ("e2e p50", "e2e_ms", "p50"),
-)  # fmt: skip
-ADDED_ROWS = (
-    ("added TTFT p50 (target ≤ {ttft:g})", "added_ttft_p50_ms", ""), ("TTFT p50 ratio", "ttft_p50_ratio", "×"),
-    ("added ITL p50 (target ≤ {itl:g})", "added_itl_p50_ms", ""), ("ITL p50 ratio", "itl_p50_ratio", "×"),
-    ("added TPOT p50", "added_tpot_p50_ms", ""), ("TPOT p50 ratio", "tpot_p50_ratio", "×"),
-    ("added TTFT p99", "added_ttft_p99_ms", ""), ("added ITL p99", "added_itl_p99_ms", ""),
-    ("added e2e p50", "added_e2e_p50_ms", ""),
-)  # fmt: skip
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def render_markdown(result: dict[str, Any]) -> str:
-    """The report as markdown tables (a hand-written reading may be appended to the file)."""
-    host, work, systems = result["host"], result["workload"], result["systems"]
-    load = "/".join(
-        f"{host[k][0]:.1f}" for k in ("loadavg_start", "loadavg_systems_ready", "loadavg_end")
-    )
-    lines = [
-        "# System overhead: the P/D path vs the engine in-process",
-        "",
-        f"Tiny random Llama (2 layers, hidden 64); {work['requests']} requests one at a time "
-        f"after {work['warmup']} warm-ups; {work['prompt_len']}-token random prompts, "
-        f"{work['output_len']} output tokens, greedy, EOS ignored, streamed; 1 torch thread per "
-        "engine process. In-process = `AsyncLLMEngine` driven directly (the baseline); "
-        '"engine alone" = a bare `LLMEngine` stepped in a loop (the floor); both run in a '
-        "worker process set up like a service's and are timed inside it. Each "
-        "prompt goes through every path back to back (order rotating), so all paths share the "
-        "same load. TPOT = per request (last − first token) / (n − 1). Times in ms.",
-        "",
-        f"Host: {host['cpu_count']} cores shared with other engineers' test runs; 1-min load "
-        f"average {load} (start / systems ready / end). Whole run: {result['wall_s']:.0f} s.",
-        "",
-        "    " + result["command"],
-        "",
-        "## Low load",
-        "",
-        _row(["path", *(c[0] for c in LOW_LOAD_COLUMNS), "gaps < 0.2 ms"]),
-        "|---|" + "---:|" * (len(LOW_LOAD_COLUMNS) + 1),
-    ]
-    rows = [
-        ("engine alone, sync steps", result["engine_sync"]),
-        ("in-process", result["inprocess"]),
-    ]
-    rows += [(m, s["low_load"]) for m, s in systems.items()]
-    for name, summ in rows:
-        cells = [_f(_p(summ, key, q)) for _, key, q in LOW_LOAD_COLUMNS]
-        lines.append(_row([name, *cells, f"{summ['burst_fraction']:.0%}"]))
-    t = result["targets"]
-    fmt = {"ttft": t["added_ttft_p50_ms"], "itl": t["added_itl_p50_ms"]}
-    lines += ["", "## Added over in-process", "", _row(["", *systems])]
-    lines.append("|---|" + "---:|" * len(systems))
-    for label, key, unit in ADDED_ROWS:
-        cells = [_f(s["overhead"][key]) + unit for s in systems.values()]
-        lines.append(_row([label.format(**fmt), *cells]))
-    for name in ("ttft", "tpot", "e2e"):
-        cells = [_f(s["paired_added_ms"][name]) for s in systems.values()]
-        lines.append(
-            _row([f"added {name.upper() if name != 'e2e' else name}, median of pairs", *cells])
-        )
-    verdict = {True: "met", False: "missed"}
-    for label, key in (
-        ("TTFT target", "ttft_target_met"),
-        ("ITL target (ITL and TPOT)", "itl_target_met"),
-    ):
-        lines.append(_row([label, *(verdict[s["overhead"][key]] for s in systems.values())]))
-    same = [
-        f"{s['outputs_equal_to_inprocess']}/{s['low_load']['requests']}" for s in systems.values()
-    ]
-    lines.append(_row(["greedy text = in-process", *same]))
-    lines += _phase_table(systems) + _sweep_table(systems, work)
-    return "\n".join(lines) + "\n"
-
-
-def _phase_table(systems: dict[str, Any]) -> list[str]:
-    phases = list(dict.fromkeys(k for s in systems.values() for k in s["phases_ms"]))
-    if not phases:
-        return []
-    out = ["", "## The router's own timings (`pdserve_timings`, medians, ms)", ""]
-    out += [_row(["phase", *systems]), "|---|" + "---:|" * len(systems)]
-    for ph in phases:
-        out.append(_row([ph, *(_f(s["phases_ms"].get(ph)) for s in systems.values())]))
-    return out
-
-
-def _sweep_table(systems: dict[str, Any], work: dict[str, Any]) -> list[str]:
-    out = ["", f"## Requests/s, closed loop ({work['sweep_output_len']} output tokens each)", ""]
-    out += [_row(["path", "streams", "requests", "errors", "req/s", "output tok/s", "TTFT p50"])]
-    out += ["|---|" + "---:|" * 6]
-    for mode, s in systems.items():
-        for lv in s["sweep"]:
-            cells = [lv["concurrency"], lv["requests"], sum(lv["errors"].values())]
-            cells += [_f(lv["req_per_s"], 1), _f(lv["output_tok_per_s"], 0), _f(lv["ttft_p50_ms"])]
-            out.append(_row([mode, *map(str, cells)]))
-    out.append("")
-    for mode, s in systems.items():
-        best = _f(s["max_sustained_req_s"], 1)
-        out.append(f"- {mode}: best {best} req/s with zero errors; `{s['command']}` was ready "
-                   f"after {s['startup_s']:.0f} s")  # fmt: skip
-    return out
-
-
-# -- in-process baseline -----------------------------------------------------------------
-def engine_config(model_dir: Path, kv_cache_memory: str) -> Any:
-    """The services' engine settings for the tiny model (defaults plus the KV budget)."""
-    from engine.config import EngineConfig
-
-    kv_bytes = memory_size(kv_cache_memory)
-    if kv_bytes is None:
-        raise ValueError("--kv-cache-memory must be a size such as 64M")
-    return EngineConfig(model=str(model_dir), kv_cache_memory=kv_bytes)
-
-
-def stream_sync(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> Stream:
-    """The floor: the request on a bare ``LLMEngine`` stepped in this thread (no asyncio, no
-    engine thread, no hand-offs); blocks the event loop, which is idle meanwhile."""
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.add_request(request_id, prompt, params)
-    times: list[float] = []
-    parts: list[str] = []
-    tokens = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids:
-                times.append(time.perf_counter() - start)
-                tokens += len(out.new_token_ids)
-            parts.append(out.new_text)
-    return Stream(times, tokens, "".join(parts))
-
-
-async def stream_inprocess(
-    engine: Any, request_id: str, prompt: list[int], max_tokens: int
-) -> Stream:
-    """One greedy request straight through ``engine.generate``, timed like the HTTP client."""
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    times: list[float] = []
-    parts: list[str] = []
-    tokens = 0
-    async for out in engine.generate(request_id, prompt, params):
-        if out.new_token_ids:
-            times.append(time.perf_counter() - start)
-            tokens += len(out.new_token_ids)
-        parts.append(out.new_text)
-    return Stream(times, tokens, "".join(parts))
-
-
-async def worker_main(model_dir: str, kv_cache_memory: str) -> None:
-    """``--engine-worker``: hold both engines and serve requests from stdin, one JSON line
-    each (``[path, request_id, prompt, max_tokens]``), answering ``RESULT <stream json>``."""
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
-
-    config = engine_config(Path(model_dir), kv_cache_memory)
-    sync_engine, engine = LLMEngine(config), AsyncLLMEngine(config)
-    await engine.start()
-    print("READY", flush=True)  # the protocol with EngineWorker, not a report
-    try:
-        while line := await asyncio.to_thread(sys.stdin.readline):
-            path, rid, prompt, max_tokens = json.loads(line)
-            if path == "engine-sync":
-                stream = stream_sync(sync_engine, rid, prompt, max_tokens)
-            else:
-                stream = await stream_inprocess(engine, rid, prompt, max_tokens)
-            print("RESULT " + json.dumps(asdict(stream)), flush=True)
-    finally:
-        await engine.shutdown()
-
-
-class EngineWorker:
-    """The in-process engines in a child process of their own, set up like a service's
-    (own session, 1 torch thread, the launcher's thread variables), so that the client's
-    work never shares their process. Times are taken inside the child; the pipe is outside
-    every measured interval."""
-
-    def __init__(self, model_dir: Path, kv_cache_memory: str, timeout_s: float) -> None:
-        self.argv = [sys.executable, str(Path(__file__).resolve()), "--engine-worker"]
-        self.argv += [str(model_dir), kv_cache_memory]
-        self.timeout_s = timeout_s
-        self.proc: subprocess.Popen[str] | None = None
-        self.lines: queue.Queue[str | None] = queue.Queue()
-
-    def __enter__(self) -> EngineWorker:
-        env = os.environ | ENGINE_ENV | {"PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-            cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-        try:
-            self._expect("READY", self.timeout_s)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)  # EOF: the worker exited
-
-    def _expect(self, prefix: str, timeout_s: float) -> str:
-        """The next stdout line starting with ``prefix`` (RuntimeError on exit or timeout)."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                raise RuntimeError("the engine worker exited early (its stderr is above)")
-            if line.startswith(prefix):
-                return line[len(prefix) :]
-        raise RuntimeError(f"engine worker: no {prefix!r} line within {timeout_s:.0f} s")
-
-    async def run(self, path: str, request_id: str, prompt: list[int], max_tokens: int) -> Stream:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps([path, request_id, prompt, max_tokens]) + "\n")
-        self.proc.stdin.flush()
-        return Stream(**json.loads(await asyncio.to_thread(self._expect, "RESULT ", 60.0)))
-
-    def __exit__(self, *_: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()  # EOF: the worker shuts its engine down and exits
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-# -- the HTTP client -----------------------------------------------------------------------
-def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """Streamed greedy completion of token ids with usage and the router's phase timings."""
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "pdserve_timings": True,
-    }
-
-
-async def stream_http(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float
-) -> Stream:
-    """One streamed request; RequestFailed unless it ends in usage + ``[DONE]`` with one
-    chunk per generated token and exactly ``max_tokens`` tokens."""
-    return await asyncio.wait_for(_stream_http(client, url, body), timeout_s)
-
-
-async def _stream_http(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Stream:
-    start = time.perf_counter()
-    times: list[float] = []
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
-    done = False
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RequestFailed(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                done = True
-                break
-            obj = json.loads(payload)
-            if "error" in obj:
-                raise RequestFailed(f"error event: {obj['error']}")
-            if obj.get("choices"):  # every decode step is one chunk, even with empty text
-                times.append(time.perf_counter() - start)
-                parts.append(obj["choices"][0].get("text") or "")
-            if isinstance(obj.get("usage"), dict):
-                usage = obj["usage"]
-    if not done or usage is None:
-        raise RequestFailed("stream ended without its usage chunk and [DONE]")
-    tokens = usage.get("completion_tokens")
-    if tokens != body["max_tokens"] or tokens != len(times):
-        raise RequestFailed(
-            f"{tokens} tokens in usage, {len(times)} chunks, wanted {body['max_tokens']}"
-        )
-    return Stream(times, tokens, "".join(parts), usage.get("pdserve_timings"))
 
 
 async def interleaved(
@@ -534,72 +138,6 @@ async def closed_loop(
     }
 
 
-# -- pdserve up as a subprocess ------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PdserveUp:
-    """``pdserve up`` in its own process group: started on enter (returns once it printed
-    ``pdserve is ready``, or raises within ``timeout_s``), SIGTERM to the group on exit."""
-
-    def __init__(self, argv: list[str], timeout_s: float) -> None:
-        self.argv, self.timeout_s = argv, timeout_s
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.proc: subprocess.Popen[str] | None = None
-        self.startup_s = 0.0
-
-    @property
-    def port(self) -> int:
-        return int(self.argv[self.argv.index("--port") + 1])
-
-    def __enter__(self) -> PdserveUp:
-        start = time.perf_counter()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env, start_new_session=True, cwd=REPO,
-        )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
-        while not self.ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                tail = "\n".join(self.lines[-30:])
-                raise RuntimeError(f"pdserve up did not become ready:\n{tail}")
-        self.startup_s = time.perf_counter() - start
-        return self
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:  # keeps draining the pipe after "ready"
-            self.lines.append(line.rstrip())
-            if READY in line:
-                self.ready.set()
-
-    def __exit__(self, *_: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # the launcher stops its children
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-def up_argv(mode: str, model_dir: Path, port: int, args: Any) -> list[str]:
-    prefill = "1" if mode == "disaggregated" else "0"
-    return [
-        *[sys.executable, "-m", "pdserve", "up", "--model", str(model_dir), "--mode", mode],
-        *["--prefill", prefill, "--decode", "1", "--port", str(port), "--torch-threads", "1"],
-        *["--kv-cache-memory", args.kv_cache_memory, "--shutdown-grace", "10"],
-    ]
-
-
 async def measure(
     model_dir: Path,
     ups: dict[str, PdserveUp],
@@ -650,10 +188,6 @@ def system_result(
 
 
 # -- main ------------------------------------------------------------------------------------
-# What `pdserve up` gives each engine process; the in-process engines get the same.
-ENGINE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def build_model(out_dir: Path) -> Path:
     """The tiny Llama, built in a child process: this one then holds no transformers model
     objects, like the services' processes."""
@@ -677,7 +211,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = build_model(Path(tmp) / "tiny-llama")
         ups = {
             m: stack.enter_context(
-                PdserveUp(up_argv(m, model_dir, free_port(), args), args.startup_timeout)
+                PdserveUp(up_argv(m, model_dir, free_ports(1)[0], args), args.startup_timeout)
             )
             for m in args.modes
         }
@@ -708,7 +242,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-TARGET_TTFT_MS, TARGET_ITL_MS = 5.0, 1.0
 WORKLOAD_KEYS = (
     "requests", "warmup", "prompt_len", "output_len", "concurrency", "sweep_output_len",
     "sweep_requests_per_stream", "sweep_min", "kv_cache_memory", "seed",
@@ -764,18 +297,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _worker_entry(model_dir: str, kv_cache_memory: str) -> int:
-    logging.basicConfig(level=logging.WARNING)  # stderr; stdout carries the protocol
-    import torch
-
-    torch.set_num_threads(1)  # what `pdserve up --torch-threads 1` gives each service
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    asyncio.run(worker_main(model_dir, kv_cache_memory))
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--engine-worker"]:
-        sys.exit(_worker_entry(*sys.argv[2:4]))
     sys.exit(main())

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from benchmarks.system_overhead import (
+from benchmarks.system_overhead import parse_args
+from benchmarks.system_overhead_report import (
     Stream,
     latency_summary,
     overhead,
     paired_added,
-    parse_args,
     phase_medians,
     render_markdown,
 )
@@ -219,11 +219,12 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
 
 def test_failed_starts_raise_with_the_reason(tmp_path: Path) -> None:
     """A system or engine worker that cannot start ends the run with an error, not a hang."""
-    from benchmarks.system_overhead import EngineWorker, PdserveUp, free_port
+    from benchmarks.system_overhead_paths import EngineWorker, PdserveUp
+    from pdserve.procs import free_ports
 
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "missing")]
     with pytest.raises(RuntimeError, match="did not become ready") as info:
-        PdserveUp([*argv, "--port", str(free_port())], timeout_s=120).__enter__()
+        PdserveUp([*argv, "--port", str(free_ports(1)[0])], timeout_s=120).__enter__()
     assert "pdserve up failed" in str(info.value) and "missing" in str(info.value)
     with pytest.raises(RuntimeError, match="engine worker exited early"):
         EngineWorker(tmp_path / "missing", "64M", timeout_s=120).__enter__()
