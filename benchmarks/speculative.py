@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine, load_tokenizer  # noqa: E402
+from engine.detokenizer import load_tokenizer  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.models import resolve_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings (and loading a model's tokenizer).
 
 Only a small window of recent tokens is decoded per call (O(1) per token, not O(length)):
 ``prefix_offset:read_offset`` are tokens whose text is already known (context, so decoders
@@ -18,6 +18,7 @@ against the real tokenizer, multi-byte characters and special tokens included).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,17 @@ class IncrementalDetokenizer:
             return ""
         delta, self.emitted = text[self.emitted : end], end
         return delta
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's HF tokenizer, or None for a bare config (dummy-weight benchmarks)."""
+    if not any(
+        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _decoder(tokenizer: Any, skip_special: bool) -> Callable[[list[int]], str] | None:

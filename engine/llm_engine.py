@@ -10,12 +10,11 @@ import gc
 import logging
 import random
 import time
-from typing import Any
 
 import torch
 
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.fingerprint import model_fingerprint
 from engine.guided.manager import GuidedDecoding
 from engine.kv_cache_manager import KVCacheManager
@@ -33,24 +32,11 @@ from kv_store.base import KVConnector, KvLayout
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_dir: str) -> Any:
-    """The model's HF tokenizer, or None for a bare config (dummy-weight benchmarks)."""
-    import os
-
-    if not any(
-        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         self.args = ModelArgs.from_hf(config.hf_config())
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self.args.max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.args.eos_token_ids)
         self.runner = ModelRunner(config, self.args, self.max_model_len)
@@ -94,19 +80,6 @@ class LLMEngine:
         # the GC's generations, so collections in the step loop stay short.
         gc.collect()
         gc.freeze()
-
-    def _max_model_len(self) -> int:
-        limit = self.args.max_position_embeddings
-        if self.args.sliding_window:
-            # Without sliding-window attention, stay where full attention is exact.
-            limit = min(limit, self.args.sliding_window)
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ValueError(
-                    f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit}"
-                )
-            return self.config.max_model_len
-        return limit
 
     # -- requests -------------------------------------------------------------------------
     def add_request(

@@ -128,9 +128,7 @@ class InputBuilder:
             else:  # the tail comes from this step's drafts
                 ids += req.token_ids_slice(start, num_tokens)
                 ids += s.spec_token_ids[max(start, num_tokens) - num_tokens : end - num_tokens]
-                any_spec = True
-            if s.spec_token_ids:
-                any_spec = True
+            any_spec = any_spec or bool(s.spec_token_ids)
             total += s.num_new_tokens
             starts.append(total)
             seq_lens.append(end)

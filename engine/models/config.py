@@ -76,3 +76,16 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    def max_model_len(self, requested: int | None) -> int:
+        """The longest prompt + output to serve: ``requested`` (``ValueError`` above the
+        model's limit) or the limit. Without sliding-window attention the limit stays where
+        full attention is exact: the position limit, capped at a sliding window."""
+        limit = self.max_position_embeddings
+        if self.sliding_window:
+            limit = min(limit, self.sliding_window)
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
+        return requested

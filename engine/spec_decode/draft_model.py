@@ -61,7 +61,7 @@ def check_compatible(
 
 def same_vocab(target_tokenizer: object, draft_dir: str) -> bool:
     """True when the draft directory's tokenizer maps tokens to the same ids (or has none)."""
-    from engine.llm_engine import load_tokenizer
+    from engine.detokenizer import load_tokenizer
 
     draft_tok = load_tokenizer(draft_dir)
     if draft_tok is None or target_tokenizer is None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks.pd_two_gpu_report import collect, kv_bytes_per_token, make_model, render
-from engine.llm_engine import load_tokenizer
+from engine.detokenizer import load_tokenizer
 from router.tokenizer import PromptProcessor
 
 REPO = Path(__file__).resolve().parents[2]
