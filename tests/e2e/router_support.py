@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from tests.service_fixtures import ServiceProcess
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -64,3 +67,25 @@ def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion
     args: dict[str, object] = {"model": "tiny", "temperature": 0.0}
     args.update(kwargs)
     return client.completions.create(**args)  # type: ignore[call-overload, no-any-return]
+
+
+# -- the shared router stack (fixture ``stack`` in tests/e2e/conftest.py) --------------------
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@dataclass
+class Stack:
+    prefill: ServiceProcess
+    decode: ServiceProcess
+    disagg: ServiceProcess
+    colocated: ServiceProcess
+    auto: ServiceProcess
+    model_dir: Path
+
+    def client(self, router: ServiceProcess | None = None) -> openai.OpenAI:
+        return openai_client((router or self.disagg).url)
+
+
+def complete_prompt(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
+    """``complete`` with the stack tests' default prompt and 12 tokens."""
+    return complete(client, **({"prompt": PROMPT, "max_tokens": 12} | kwargs))

@@ -1,0 +1,222 @@
+"""The router end to end, request lifecycle: concurrency, bad input, client disconnects,
+API keys and limits, auto mode, metrics; the same kind of stack as test_router_e2e.py
+(fixture ``stack`` in tests/e2e/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.router_support import PROMPT, Stack, metric, running_requests, wait_for
+from tests.e2e.router_support import complete_prompt as complete
+from tests.service_fixtures import start_router
+
+
+def test_concurrent_streams(stack: Stack) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"{i} {PROMPT}",
+            max_tokens=8,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        tokens = 0
+        async for chunk in stream:
+            tokens += len(chunk.choices[0].text) > 0 if chunk.choices else 0
+        return tokens
+
+    async def main() -> list[int | BaseException]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{stack.disagg.url}/v1", api_key="x", max_retries=0, timeout=120
+        )
+        try:
+            return await asyncio.gather(
+                *(one(client, i) for i in range(32)), return_exceptions=True
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(isinstance(r, int) and r > 0 for r in results)
+
+
+def test_bad_input_through_openai_client(stack: Stack) -> None:
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        complete(client, model="gpt-4o")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="limit is 256"):
+        complete(client, prompt="word " * 400)
+    with pytest.raises(openai.BadRequestError):
+        complete(client, temperature="warm")
+    bad_json = httpx.post(
+        f"{stack.disagg.url}/v1/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert (
+        bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    )
+    # Still healthy and serving.
+    assert httpx.get(f"{stack.disagg.url}/health", timeout=10).status_code == 200
+    assert complete(client, max_tokens=2).choices[0].text
+
+
+def test_client_disconnect_aborts_decode(stack: Stack) -> None:
+    url = stack.decode.metrics_url
+    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 1800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{stack.disagg.url}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break  # leave mid-stream: closing the response drops the connection
+    wait_for(
+        lambda: (
+            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+            > cancelled
+        ),
+        30,
+        "decode to see the cancellation",
+    )
+    wait_for(
+        lambda: running_requests(stack.decode.address, "decode") == 0,
+        30,
+        "decode to free the request",
+    )
+    assert metric(f"{stack.disagg.url}/metrics", "pdserve_requests_total", outcome="cancelled") >= 1
+
+
+def test_router_metrics_after_traffic(stack: Stack) -> None:
+    complete(stack.client(), max_tokens=4, stream=True)
+    url = f"{stack.disagg.url}/metrics"
+    assert metric(url, "pdserve_ttft_seconds_count") > 0
+    assert metric(url, "pdserve_itl_seconds_count") > 0
+    assert metric(url, "pdserve_e2e_seconds_count") > 0
+    assert metric(url, "pdserve_requests_total", outcome="success") > 0
+    assert metric(url, "pdserve_disagg_decisions_total", decision="remote_prefill") > 0
+    assert metric(url, "pdserve_disagg_decisions_total", decision="local_prefill") == 0
+    for phase in ("router_queue", "prefill_compute", "kv_save", "kv_load"):
+        assert metric(url, "pdserve_phase_seconds_count", phase=phase) > 0, phase
+    assert metric(url, "pdserve_kv_bytes_total", connector="fs", direction="save") > 0
+    assert metric(url, "pdserve_kv_bytes_total", connector="fs", direction="load") > 0
+    assert (
+        metric(url, "pdserve_instance_healthy", pool="decode", instance=stack.decode.address) == 1.0
+    )
+    assert (
+        metric(url, "pdserve_instance_healthy", pool="prefill", instance=stack.prefill.address)
+        == 1.0
+    )
+    # Colocated mode never prefills remotely.
+    complete(stack.client(stack.colocated), max_tokens=2)
+    coloc = f"{stack.colocated.url}/metrics"
+    assert metric(coloc, "pdserve_disagg_decisions_total", decision="local_prefill") > 0
+    assert metric(coloc, "pdserve_disagg_decisions_total", decision="remote_prefill") == 0
+
+
+def test_auto_mode_decides_per_request(stack: Stack) -> None:
+    client = stack.client(stack.auto)
+    texts = {
+        complete(client, prompt=p, max_tokens=6).choices[0].text for p in [PROMPT, "word " * 200]
+    }
+    assert all(texts)
+    url = f"{stack.auto.url}/metrics"
+    decided = metric(url, "pdserve_disagg_decisions_total")
+    assert decided == metric(url, "pdserve_requests_total", outcome="success") >= 2
+
+
+def test_api_key_and_concurrency_limit(stack: Stack, tmp_path: Path) -> None:
+    router = start_router(
+        stack.model_dir,
+        tmp_path / "logs",
+        prefill=[stack.prefill],
+        decode=[stack.decode],
+        extra_args=[
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            "sesame",
+            "--max-concurrent-requests",
+            "1",
+        ],
+    )
+    try:
+        anonymous = openai.OpenAI(
+            base_url=f"{router.url}/v1", api_key="wrong", max_retries=0, timeout=60
+        )
+        with pytest.raises(openai.AuthenticationError):
+            complete(anonymous, max_tokens=2)
+        client = openai.OpenAI(
+            base_url=f"{router.url}/v1", api_key="sesame", max_retries=0, timeout=60
+        )
+        assert complete(client, max_tokens=2).choices[0].text
+        long_stream = complete(
+            client, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(long_stream))  # the one allowed request is now in flight
+        with pytest.raises(openai.RateLimitError):
+            complete(client, max_tokens=2)
+        long_stream.close()
+        wait_for(
+            lambda: (
+                httpx.get(f"{router.url}/health", timeout=10).json()["decode"]["instances"][
+                    stack.decode.address
+                ]["inflight"]
+                == 0
+            ),
+            30,
+            "the slot to free",
+        )
+        assert complete(client, max_tokens=2).choices[0].text
+    finally:
+        router.stop()
+
+
+def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
+    url = stack.decode.metrics_url
+    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        # The client gives up long before 1800 tokens are done, dropping the connection.
+        httpx.post(
+            f"{stack.disagg.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0)
+        )
+    wait_for(
+        lambda: (
+            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+            > cancelled
+        ),
+        30,
+        "decode to see the cancellation",
+    )
+    wait_for(
+        lambda: running_requests(stack.decode.address, "decode") == 0,
+        30,
+        "decode to free the request",
+    )
