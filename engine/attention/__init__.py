@@ -20,7 +20,14 @@ def get_backend(name: str, device: str) -> AttentionBackend:
     if name == "torch_ref":
         from engine.attention.torch_ref import TorchRefAttention
 
-        return TorchRefAttention()
+        backend = TorchRefAttention()
+        if device == "cpu" and backend.cpu_kernels:
+            # Build (or load the cached) C decode kernel at start-up, not inside the first
+            # request's decode step (a first build takes a few seconds).
+            from engine.attention.cpu_kernels import load_decode_kernel
+
+            load_decode_kernel()
+        return backend
     if name == "triton":
         if not device.startswith("cuda"):
             raise ValueError("attention_backend 'triton' needs device 'cuda'")

@@ -175,36 +175,33 @@ def test_env_switch_selects_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert on._kernel(query.double(), cache.double(), _meta([5, 9], tables, [1, 1])) is None
 
 
-def test_build_cache_reused_and_missing_compiler_warns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_build_cache_reused(tmp_path: Path) -> None:
     first = build_library(tmp_path)
     mtime = first.stat().st_mtime_ns
     assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp file left behind
-    # No compiler: one warning and None, so the backend keeps the torch path.
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "fresh"))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    cpu_kernels._load_decode_kernel.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert load_decode_kernel() is None
-        assert "CPU attention kernel unavailable" in caplog.text
-    finally:
-        cpu_kernels._load_decode_kernel.cache_clear()
 
 
-def test_unparsable_cc_warns_and_falls_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("cc", "reason"),
+    [("{tmp}/no-such-cc", "no-such-cc"), ("'gcc -O2", "cannot parse $CC")],
+    ids=["missing compiler", "unparsable $CC"],
+)
+def test_bad_compiler_warns_and_falls_back(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cc: str,
+    reason: str,
 ) -> None:
-    """A malformed $CC (unbalanced quote) is a bad setting: one warning, the torch path."""
+    """No usable compiler: one warning and None, so the backend keeps the torch path."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "fresh"))
-    monkeypatch.setenv("CC", "'gcc -O2")
+    monkeypatch.setenv("CC", cc.format(tmp=tmp_path))
     cpu_kernels._load_decode_kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert load_decode_kernel() is None
-        assert "cannot parse $CC" in caplog.text
+        assert "CPU attention kernel unavailable" in caplog.text and reason in caplog.text
     finally:
         cpu_kernels._load_decode_kernel.cache_clear()
 
