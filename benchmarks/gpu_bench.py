@@ -151,11 +151,11 @@ def run_batch(engine: Any, batch: list[list[int]], max_tokens: int, tag: str) ->
     }
 
 
-def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
-    """GPU time of one graphed decode step (``bs`` requests, ``ctx`` tokens each), no host work."""
+def decode_step_inputs(engine: Any, bs: int, ctx: int) -> tuple[Any, Any, Any]:
+    """Inputs of one decode step: ``bs`` requests of ``ctx`` tokens on random blocks."""
     from engine.attention.base import AttentionMetadata
 
-    runner, graphs = engine.runner, engine.runner.graphs
+    runner = engine.runner
     blk, dev = runner.block_size, runner.device
     per = -(-ctx // blk)
     ids = (torch.randperm(runner.num_blocks - 1, device=dev)[: bs * per] + 1).view(bs, per)
@@ -172,7 +172,14 @@ def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
     )
     tokens = torch.randint(1000, 100000, (bs,), device=dev)
     pos = torch.full((bs,), last, device=dev)
-    return bench_ms(lambda: graphs.run(tokens, pos, meta), dev, rep_ms=300)
+    return tokens, pos, meta
+
+
+def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
+    """GPU time of one graphed decode step (``bs`` requests, ``ctx`` tokens each), no host work."""
+    tokens, pos, meta = decode_step_inputs(engine, bs, ctx)
+    graphs = engine.runner.graphs
+    return bench_ms(lambda: graphs.run(tokens, pos, meta), engine.runner.device, rep_ms=300)
 
 
 def bench_engine(

@@ -42,6 +42,9 @@ class EngineConfig:
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
     cuda_graphs: bool = True  # capture decode steps on CUDA (triton backend only)
     fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
+    # Launch decode step n+1 before step n's tokens reach the host (engine/async_scheduling.py).
+    # None: on for CUDA, where the host time it hides is a tenth of a small model's step.
+    async_scheduling: bool | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
     speculative: str | None = None
@@ -97,6 +100,14 @@ class EngineConfig:
     def speculative_config(self) -> SpeculativeConfig | None:
         """The parsed ``speculative`` setting (None when off)."""
         return None if self.speculative is None else parse_speculative(self.speculative)
+
+    @property
+    def async_scheduling_on(self) -> bool:
+        """``async_scheduling`` resolved; never with speculative decoding (a draft step
+        needs the host to know the newest token)."""
+        if self.speculative is not None:
+            return False
+        return self.device != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     @property
     def torch_dtype_name(self) -> str:

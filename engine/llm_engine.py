@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from engine.async_scheduling import StepPipeline, can_defer
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.fingerprint import model_fingerprint
@@ -75,6 +76,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
+        self.pipeline = (
+            StepPipeline(self.scheduler, self.runner, self.sampler, self.max_model_len)
+            if config.async_scheduling_on
+            else None
+        )
         self.num_steps = 0
         # Move everything built so far (weights' wrappers, ~num_blocks block objects) out of
         # the GC's generations, so collections in the step loop stay short.
@@ -182,6 +188,7 @@ class LLMEngine:
             self.scheduler.has_work()
             or bool(self.transfers and self.transfers.has_work())
             or bool(self._pending)
+            or bool(self.pipeline and self.pipeline.deferred)
             or self.guided.has_pending()
         )
 
@@ -194,13 +201,36 @@ class LLMEngine:
             outputs += self._handle_transfers()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        if self.pipeline is not None and self.pipeline.deferred is not None:
+            return outputs + self._finish_deferred()
         sched = self.scheduler.schedule()
         if sched.scheduled:
             logits = self.runner.execute(sched.scheduled)
-            outputs += self._postprocess(sched.scheduled, logits)
             self.num_steps += 1
+            if self.pipeline is not None and can_defer(sched.scheduled):
+                self.pipeline.defer(sched.scheduled, logits)
+                outputs += self._finish_deferred()
+            else:
+                outputs += self._postprocess(sched.scheduled, logits)
         elif self.guided.has_pending() and not self.scheduler.has_work():
             self.guided.wait(0.005)  # only grammars compiling: wait briefly instead of spinning
+        return outputs
+
+    def _finish_deferred(self) -> list[RequestOutput]:
+        """Launch the step after the deferred one when possible (async scheduling), then
+        turn the deferred one's tokens into outputs while the GPU runs the next."""
+        assert self.pipeline is not None
+        launched = self.pipeline.num_launched_ahead
+        step = self.pipeline.advance()
+        self.num_steps += self.pipeline.num_launched_ahead - launched
+        outputs = []
+        for s, tok in zip(step.scheduled, step.tokens.result(), strict=True):
+            request = s.request
+            if request.is_finished:  # finished at the step before, or aborted since
+                continue
+            text, status = self._accept_token(request, tok.token_id)
+            logprobs = [tok.logprob] if tok.logprob is not None else None
+            outputs.append(self._token_output(request, [tok.token_id], text, logprobs, status))
         return outputs
 
     def _admit_guided(self) -> list[RequestOutput]:

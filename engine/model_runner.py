@@ -152,16 +152,21 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.config.gpu_memory_utilization) - peak
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def prepare(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> StepInputs:
         """Flatten the step's new tokens (see the module docstring) into device tensors."""
-        return self._inputs.build(scheduled)
+        return self._inputs.build(scheduled, input_ids)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def execute(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits ``[len(scheduled), vocab]`` — or, when some
         requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
-        positions, in order), request after request."""
-        inputs = self.prepare(scheduled)
+        positions, in order), request after request. ``input_ids`` on the device replace
+        the requests' token ids (async scheduling: the previous step's sampled tokens)."""
+        inputs = self.prepare(scheduled, input_ids)
         if (
             self.graphs is not None
             and inputs.meta.max_query_len == 1

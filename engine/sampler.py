@@ -76,9 +76,56 @@ def _race_noise(probs: torch.Tensor, request: Request, position: int) -> torch.T
     return torch.empty_like(probs).exponential_(generator=gen)
 
 
+class PendingTokens:
+    """One step's sampled tokens on their way to the host.
+
+    ``tokens`` (int64, on the logits' device) can feed the next step's inputs before the
+    host has seen them (async scheduling); ``result()`` waits for the non-blocking copy
+    and decodes it. The copy is the step's one device->host transfer.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        packed: torch.Tensor,
+        decode: Callable[[list[float]], list[SampledToken]],
+    ) -> None:
+        self.tokens = tokens
+        self._decode = decode
+        cuda = packed.device.type == "cuda"
+        # A CUDA tensor copied with non_blocking lands in pinned memory; the event says when.
+        self._host = packed.to("cpu", non_blocking=cuda)
+        self._copied: torch.cuda.Event | None = None
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> list[SampledToken]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._decode(self._host.tolist())
+
+
+def _greedy_tokens(host: list[float]) -> list[SampledToken]:
+    return [SampledToken(int(t), None) for t in host]
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Pick one token per row of ``logits`` ``[len(requests), vocab]`` (float32)."""
+        return self.launch(logits, requests).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> PendingTokens:
+        """Start sampling one token per row without waiting for the device.
+
+        ``positions`` are the sampled tokens' indices in their sequences (they key the
+        seeded draws); by default each request's ``num_tokens``. Under async scheduling a
+        request's newest tokens may still be in flight, so the engine passes them."""
         if all(
             r.params.greedy
             and not r.params.has_penalties
@@ -86,10 +133,15 @@ class Sampler:
             and not r.logits_processors
             for r in requests
         ):
-            return [SampledToken(int(t), None) for t in logits.argmax(-1).tolist()]
-        return self._sample_batch(logits, requests)
+            tokens = logits.argmax(-1)
+            return PendingTokens(tokens, tokens, _greedy_tokens)
+        if positions is None:
+            positions = [r.num_tokens for r in requests]
+        return self._sample_batch(logits, requests, positions)
 
-    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    def _sample_batch(
+        self, logits: torch.Tensor, requests: list[Request], positions: list[int]
+    ) -> PendingTokens:
         """The general path, batched so a step costs one device->host copy (not one sync
         per request): each row's scores are built on the device (processed logits for a
         greedy row, ``probs / noise`` for a sampled one: the same exponential race as
@@ -102,7 +154,7 @@ class Sampler:
                 scores.append(processed)
             else:
                 probs = processed.softmax(-1)
-                scores.append(probs / _race_noise(probs, request, request.num_tokens))
+                scores.append(probs / _race_noise(probs, request, positions[i]))
         tokens = torch.stack(scores).argmax(-1)
         wanted = [r.params.logprobs for r in requests]
         parts = [tokens.double()]
@@ -113,20 +165,23 @@ class Sampler:
             if top_k > 0:
                 vals, ids = torch.topk(logprobs, top_k, dim=-1)
                 parts += [ids.double().flatten(), vals.double().flatten()]
-        host = torch.cat(parts).tolist()  # the step's one device->host copy
         n = len(requests)
-        out = []
-        for i, k in enumerate(wanted):
-            token = int(host[i])
-            logprob = None
-            if k is not None and top_k is not None:
-                a = 2 * n + i * top_k  # row i's top ids; its values are n * top_k further
-                row_ids = host[a : a + k]
-                row_vals = host[a + n * top_k : a + n * top_k + k]
-                top = [(int(t), v) for t, v in zip(row_ids, row_vals, strict=True)]
-                logprob = TokenLogprob(token, host[n + i], top)
-            out.append(SampledToken(token, logprob))
-        return out
+
+        def decode(host: list[float]) -> list[SampledToken]:
+            out = []
+            for i, k in enumerate(wanted):
+                token = int(host[i])
+                logprob = None
+                if k is not None and top_k is not None:
+                    a = 2 * n + i * top_k  # row i's top ids; its values are n * top_k further
+                    row_ids = host[a : a + k]
+                    row_vals = host[a + n * top_k : a + n * top_k + k]
+                    top = [(int(t), v) for t, v in zip(row_ids, row_vals, strict=True)]
+                    logprob = TokenLogprob(token, host[n + i], top)
+                out.append(SampledToken(token, logprob))
+            return out
+
+        return PendingTokens(tokens, torch.cat(parts), decode)
 
     @staticmethod
     def processed_logits(raw: torch.Tensor, request: Request) -> torch.Tensor:

@@ -132,6 +132,18 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def schedule_ahead(self, requests: list[Request]) -> list[ScheduledRequest] | None:
+        """The next decode step of running ``requests`` whose newest token is still in
+        flight (engine/async_scheduling.py): one slot each, at ``num_computed_tokens``.
+        None when the pool is short; the caller then takes a synchronous step, which may
+        preempt (blocks taken here for some requests stay theirs)."""
+        out = []
+        for request in requests:
+            if self.kv.allocate_slots(request, 1) is None:
+                return None
+            out.append(self._scheduled(request, 1))
+        return out
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()

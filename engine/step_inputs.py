@@ -107,7 +107,12 @@ class InputBuilder:
         self._rows = rows
         return idx
 
-    def build(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def build(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> StepInputs:
+        """``input_ids`` (on the device), when given, are the step's token ids instead of
+        the requests' own: async scheduling feeds a decode step the previous step's sampled
+        tokens before the host has them."""
         if not scheduled:
             raise ValueError("scheduled must hold at least one request")
         bs = self.block_size
@@ -123,18 +128,18 @@ class InputBuilder:
             start = req.num_computed_tokens
             end = start + s.num_new_tokens
             num_tokens = req.num_tokens
-            if end <= num_tokens:
-                ids += req.token_ids_slice(start, end)
-            else:  # the tail comes from this step's drafts
-                ids += req.token_ids_slice(start, num_tokens)
-                ids += s.spec_token_ids[max(start, num_tokens) - num_tokens : end - num_tokens]
+            if input_ids is None:
+                ids += req.token_ids_slice(start, min(end, num_tokens))
+                if end > num_tokens:  # the tail comes from this step's drafts
+                    ids += s.spec_token_ids[max(start, num_tokens) - num_tokens : end - num_tokens]
             any_spec = any_spec or bool(s.spec_token_ids)
             total += s.num_new_tokens
             starts.append(total)
             seq_lens.append(end)
             comp.append(start)
-        if len(ids) != total:
-            raise ValueError(f"scheduled {total} new tokens but found {len(ids)} token ids")
+        found = len(ids) if input_ids is None else input_ids.shape[0]
+        if found != total:
+            raise ValueError(f"scheduled {total} new tokens but found {found} token ids")
         qsl = np.array(starts, dtype=np.int64)
         lens = np.array(seq_lens, dtype=np.int64)
         have = np.fromiter((len(s.block_ids) for s in scheduled), dtype=np.int64, count=n)
@@ -182,7 +187,12 @@ class InputBuilder:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        return StepInputs(input_ids=d64[0], positions=d64[1], meta=meta, logits_indices=d64[3])
+        return StepInputs(
+            input_ids=d64[0] if input_ids is None else input_ids,
+            positions=d64[1],
+            meta=meta,
+            logits_indices=d64[3],
+        )
 
     def _to_device(
         self, parts64: tuple[np.ndarray, ...], parts32: tuple[np.ndarray, ...]
