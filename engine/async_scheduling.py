@@ -125,7 +125,9 @@ class StepPipeline:
         if batch:
             ids = step.tokens.tokens
             if len(rows) < len(step.scheduled):
-                ids = ids[torch.tensor(rows, device=ids.device)]
+                # Pinned and non-blocking: a plain host->device copy would wait for the GPU.
+                index = torch.tensor(rows, pin_memory=ids.is_cuda)
+                ids = ids[index.to(ids.device, non_blocking=True)]
             self.defer(batch, self.runner.execute(batch, input_ids=ids))
             self.num_launched_ahead += 1
         return step

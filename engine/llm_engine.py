@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.outputs import KvSaveResult, LoadStats, RequestOutput, TokenLogprob
 from engine.request import RemoteKV, Request, RequestStatus
+from engine.request_limits import RequestLimits
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
@@ -73,6 +74,13 @@ class LLMEngine:
             self.transfers = KVTransferCoordinator(
                 connector, self.kv, self.scheduler, config.kv_load_failure
             )
+        self.limits = RequestLimits(
+            self.max_model_len,
+            self.args.vocab_size,
+            config.block_size,
+            self.kv.pool.num_usable_blocks,
+            connector is not None,
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
@@ -100,9 +108,9 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
-        self._validate(
-            request_id, prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv
-        )
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.limits.check(prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv)
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -134,40 +142,6 @@ class LLMEngine:
             assert self.transfers is not None
             self.scheduler.requests[request.request_id] = request
             self.transfers.add_remote(request)
-
-    def _validate(
-        self,
-        request_id: str,
-        prompt: list[int],
-        generated: list[int],
-        params: SamplingParams,
-        remote_kv: RemoteKV | None,
-        save_kv: bool,
-    ) -> None:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        total = len(prompt) + len(generated)
-        if total >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {total} tokens; the maximum is {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len})"
-            )
-        bad = [t for t in prompt + generated if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {self.args.vocab_size}), got {bad[:3]}")
-        if len(generated) >= params.max_tokens:
-            raise ValueError(
-                f"{len(generated)} tokens already generated but max_tokens is {params.max_tokens}"
-            )
-        if (remote_kv is not None or save_kv) and self.connector is None:
-            raise ValueError("this engine has no KV connector; remote_kv / save_kv are unavailable")
-        needed = -(-min(total + params.max_tokens, self.max_model_len) // self.config.block_size)
-        if needed > self.kv.pool.num_usable_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_usable_blocks}"
-            )
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)

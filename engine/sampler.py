@@ -92,13 +92,16 @@ class PendingTokens:
     ) -> None:
         self.tokens = tokens
         self._decode = decode
-        cuda = packed.device.type == "cuda"
-        # A CUDA tensor copied with non_blocking lands in pinned memory; the event says when.
-        self._host = packed.to("cpu", non_blocking=cuda)
         self._copied: torch.cuda.Event | None = None
-        if cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        if packed.device.type != "cuda":
+            self._host = packed
+            return
+        # Pinned, so the copy is truly asynchronous (one into pageable memory would make the
+        # host wait for the GPU right here); the event says when it has landed.
+        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._host.copy_(packed, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def result(self) -> list[SampledToken]:
         if self._copied is not None:

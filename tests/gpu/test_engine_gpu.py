@@ -77,8 +77,14 @@ def _engine(model_dir: Path, dtype: str, graphs: bool, **kw: object):
     return LLMEngine(cfg)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_tiny_fp32_greedy_matches_transformers(tmp_path: Path, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    ("graphs", "async_on"),
+    [(False, False), (True, False), (True, True)],
+    ids=["eager", "graphs", "graphs-async"],
+)
+def test_tiny_fp32_greedy_matches_transformers(
+    tmp_path: Path, graphs: bool, async_on: bool
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from engine.sampling_params import SamplingParams
@@ -103,7 +109,10 @@ def test_tiny_fp32_greedy_matches_transformers(tmp_path: Path, graphs: bool) -> 
             )  # fmt: skip
             want.append(out[0, len(p) :].tolist())
     del hf
-    engine = _engine(model_dir, "float32", graphs, max_num_batched_tokens=64, max_num_seqs=8)
+    engine = _engine(
+        model_dir, "float32", graphs, max_num_batched_tokens=64, max_num_seqs=8,
+        async_scheduling=async_on,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(enumerate(prompts))
@@ -117,6 +126,40 @@ def test_tiny_fp32_greedy_matches_transformers(tmp_path: Path, graphs: bool) -> 
         assert got[f"r{i}"] == want[i], (
             f"seed={seed} prompt {i}: engine {got[f'r{i}']} != hf {want[i]}"
         )
+    launched_ahead = engine.pipeline.num_launched_ahead if engine.pipeline else 0
+    assert (launched_ahead > 0) == async_on
+
+
+def test_async_scheduling_matches_sync_with_sampling(tmp_path: Path) -> None:
+    """Seeded sampling with logprobs and mixed lengths on the graphed GPU engine: the async
+    pipeline (tokens fed on the device, copies in flight) gives the synchronous outputs."""
+    from engine.sampling_params import SamplingParams
+
+    model_dir = _save_random_llama(tmp_path / "tiny", TINY, torch.float32, 3)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 80))] for _ in range(6)]
+    results = []
+    for async_on in (False, True):
+        engine = _engine(model_dir, "float32", True, max_num_seqs=8, async_scheduling=async_on)
+        got: dict[str, list[tuple[int, float]]] = {}
+        for i, p in enumerate(prompts):
+            params = SamplingParams(
+                max_tokens=4 + 5 * i, temperature=0.8, seed=i, logprobs=1, ignore_eos=True
+            )
+            engine.add_request(f"r{i}", p, params)
+            got[f"r{i}"] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                lps = o.logprobs or []
+                got[o.request_id] += [
+                    (t, round(lp.logprob, 4)) for t, lp in zip(o.new_token_ids, lps)
+                ]
+        results.append(got)
+        launched = engine.pipeline.num_launched_ahead if engine.pipeline else 0
+        assert (launched > 10) == async_on
+        del engine
+    assert results[1] == results[0]
+    assert [len(v) for v in results[1].values()] == [4 + 5 * i for i in range(6)]
 
 
 def test_llama_1b_bf16_logprobs_close_to_transformers(tmp_path: Path) -> None:
