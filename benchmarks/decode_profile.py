@@ -14,6 +14,7 @@ one row (GB/s of weight read), so the GEMVs' share can be read against the copy 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -49,7 +50,7 @@ def kernel_table(prof: Any, replays: int) -> tuple[list[dict[str, Any]], dict[st
     by_name: dict[str, list[float]] = defaultdict(list)
     for e in kernels:
         by_name[e.name].append(e.time_range.elapsed_us())
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "kernel": name[:120],
             "per_step": round(len(times) / replays, 2),
@@ -87,7 +88,7 @@ def gemv_rates(model: str, dev: torch.device) -> list[dict[str, Any]]:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        ms = bench_ms(lambda w=w, x=x: torch.nn.functional.linear(x, w), dev, rep_ms=200)
+        ms = bench_ms(functools.partial(torch.nn.functional.linear, x, w), dev, rep_ms=200)
         gbps = n * k * 2 / (ms * 1e-3) / 1e9
         out.append({"proj": name, "n": n, "k": k, "us": round(ms * 1e3, 2), "GBps": round(gbps)})
         del w, x
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="chrome trace of the profiled replays")
-    p.add_argument("--unfused", action="store_true", help="EngineConfig.fused_ops=False")
+    p.add_argument("--opts", default="", help="gpu_bench.make_engine variant flags")
+    p.add_argument("--gemv-sweep", default=None, help="gemv_sweep.py JSON as the GEMV table")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     dev = torch.device("cuda")
@@ -108,7 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         "model": model_numbers(args.model),
         "gemv": gemv_rates(args.model, dev),
     }
-    engine = make_engine(args.model, "triton", True, fused=not args.unfused)
+    if args.gemv_sweep:
+        from engine.models.triton_gemv import load_sweep
+
+        load_sweep(args.gemv_sweep)
+    engine = make_engine(args.model, "triton", True, args.opts)
     engine.runner.kv_cache.normal_()
     replay = decode_replay(engine, 1, 512)
     result["graph_replay_ms"] = round(bench_ms(replay, dev, rep_ms=300), 4)

@@ -95,10 +95,15 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
 
 
-def make_engine(model: str, backend: str, graphs: bool, fused: bool = True) -> Any:
+def make_engine(model: str, backend: str, graphs: bool, opts: str = "") -> Any:
+    """``opts``: comma-separated variant flags: ``unfused`` (EngineConfig.fused_ops off),
+    ``sync`` (async scheduling off), ``cublas`` (every projection through cuBLAS, no GEMV)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    from engine.models.triton_ops import TritonOps
 
+    flags = set(filter(None, opts.split(",")))
+    TritonOps.use_gemv = "cublas" not in flags  # read while the graphs are captured
     cfg = EngineConfig(
         model=str(CONFIGS / model),
         device="cuda",
@@ -110,7 +115,8 @@ def make_engine(model: str, backend: str, graphs: bool, fused: bool = True) -> A
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9,
         cuda_graphs=graphs,
-        fused_ops=fused,
+        fused_ops="unfused" not in flags,
+        async_scheduling=False if "sync" in flags else None,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -189,12 +195,14 @@ def bench_engine(
     graphs: bool,
     rows: list[str],
     deadline: float,
-    fused: bool = True,
+    opts: str = "",
 ) -> None:
     """One engine variant: the rows asked for, each skipped if the run's deadline has passed."""
-    variant = f"{model}/{backend}/{'graphs' if graphs else 'eager'}{'' if fused else '/unfused'}"
+    variant = f"{model}/{backend}/{'graphs' if graphs else 'eager'}" + "".join(
+        f"/{f}" for f in opts.split(",") if f
+    )
     nums = model_numbers(model)
-    engine = make_engine(model, backend, graphs, fused)
+    engine = make_engine(model, backend, graphs, opts)
     row: dict[str, Any] = {}
     try:
         if "gpu_step" in rows:
@@ -274,34 +282,43 @@ def bench_hf(res: Results, model: str, deadline: float) -> None:
         res.put("hf", key, row)
 
 
-PlanRow = tuple[str, str, bool, list[str], bool]  # model, backend, graphs, rows, fused ops
+PlanRow = tuple[str, str, bool, list[str], str]  # model, backend, graphs, rows, make_engine opts
 
 
 def e2e_plan(plan: str) -> list[PlanRow]:
     """``full``: headline variants of both models, then the before-rows (eager, torch_ref).
     ``quick``: graphed GPU step times + batch-1 decode. ``fused``: the fused element-wise
-    kernels' before/after (graphed Triton engine with and without them) + transformers."""
+    kernels' before/after (graphed Triton engine with and without them) + transformers.
+    ``async``: the 8B engine as it is, then without async scheduling, then without the
+    Triton GEMV (each the engine as it is minus that one change)."""
     full = ["decode_b1", "prefill_2k", "thr_1k_1k", "thr_1k_16"]
+    big, small = MODELS
     if plan == "quick":
-        return [(m, "triton", True, ["gpu_step", "decode_b1"], True) for m in MODELS]
-    if plan == "fused":
-        big, small = MODELS
+        return [(m, "triton", True, ["gpu_step", "decode_b1"], "") for m in MODELS]
+    if plan == "async":
         return [
-            (big, "triton", True, ["gpu_step", *full], True),
-            (big, "hf", False, [], True),
-            (big, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], False),
-            (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], True),
-            (small, "triton", True, ["gpu_step", "decode_b1"], False),
+            (big, "triton", True, ["gpu_step", *full], ""),
+            (big, "triton", True, ["decode_b1", "thr_1k_1k", "thr_1k_16"], "sync"),
+            (big, "triton", True, ["gpu_step", "decode_b1"], "cublas"),
+            (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], ""),
+        ]
+    if plan == "fused":
+        return [
+            (big, "triton", True, ["gpu_step", *full], ""),
+            (big, "hf", False, [], ""),
+            (big, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], "unfused"),
+            (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], ""),
+            (small, "triton", True, ["gpu_step", "decode_b1"], "unfused"),
         ]
     if plan != "full":
-        raise ValueError(f"--plan must be full, quick or fused, got {plan!r}")
+        raise ValueError(f"--plan must be full, quick, fused or async, got {plan!r}")
     rows: list[PlanRow] = []
     for model in MODELS:
-        rows += [(model, "triton", True, full, True), (model, "hf", False, [], True)]
+        rows += [(model, "triton", True, full, ""), (model, "hf", False, [], "")]
     for model in MODELS:
         rows += [
-            (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"], True),
-            (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"], True),
+            (model, "triton", False, ["decode_b1", "thr_1k_16", "thr_1k_1k"], ""),
+            (model, "torch_ref", False, ["decode_b1", "prefill_2k", "thr_1k_16"], ""),
         ]
     return rows
 
@@ -309,14 +326,14 @@ def e2e_plan(plan: str) -> list[PlanRow]:
 def run_e2e(res: Results, sections: list[str], deadline: float, plan: str = "full") -> None:
     for model in MODELS:
         res.put("models", model, model_numbers(model))
-    for model, backend, graphs, rows, fused in e2e_plan(plan):
-        key = f"{model}/{backend}/{graphs}/{'fused' if fused else 'unfused'}"
+    for model, backend, graphs, rows, opts in e2e_plan(plan):
+        key = f"{model}/{backend}/{graphs}/{opts or 'default'}"
         if time.monotonic() >= deadline:
             res.put("skipped", key, "run budget spent")
         elif backend == "hf" and "hf" in sections:
             _guarded(res, f"{model}/transformers", bench_hf, res, model, deadline)
         elif backend != "hf" and "e2e" in sections:
-            _guarded(res, key, bench_engine, res, model, backend, graphs, rows, deadline, fused)
+            _guarded(res, key, bench_engine, res, model, backend, graphs, rows, deadline, opts)
 
 
 def _guarded(res: Results, key: str, fn: Any, *args: Any) -> None:
@@ -343,14 +360,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--plan",
         default="full",
-        choices=["full", "quick", "fused"],
-        help="e2e variants (see e2e_plan): full, quick (GPU step + batch-1 only), fused (A/B)",
+        choices=["full", "quick", "fused", "async"],
+        help="e2e variants (see e2e_plan): full, quick (GPU step + batch-1 only), fused / "
+        "async (before/after rows)",
+    )
+    p.add_argument(
+        "--gemv-sweep", type=Path, default=None, help="gemv_sweep.py JSON to use as the GEMV table"
     )
     p.add_argument("--budget-s", type=float, default=540.0, help="start nothing new after this")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     deadline = time.monotonic() + args.budget_s
+    if args.gemv_sweep is not None:
+        from engine.models.triton_gemv import load_sweep
+
+        load_sweep(str(args.gemv_sweep))
     res = Results(args.json)
     if args.merge is not None:
         res.data["earlier"] = json.loads(args.merge.read_text())

@@ -2,7 +2,9 @@
 
 A backend gets one flattened batch ("super sequence") of new tokens from several requests.
 It writes each new token's K/V into the cache at ``slot_mapping`` and attends every query to
-its own request's context (cached tokens + new tokens up to itself, causal).
+its own request's context (cached tokens + new tokens up to itself, causal). A backend with
+``accepts_prewritten_kv`` also attends over a cache the model has already written (the
+fused RoPE + KV-store kernel, engine/models/triton_ops.py), skipping its own write.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class AttentionBackend(abc.ABC):
     """Computes paged attention for one layer."""
 
     name: str = "base"
+    # Whether ``forward_prewritten`` is implemented (the caller then stores K/V itself).
+    accepts_prewritten_kv: bool = False
 
     @abc.abstractmethod
     def forward(
@@ -54,3 +58,13 @@ class AttentionBackend(abc.ABC):
         scale: float,
     ) -> torch.Tensor:
         """Write ``key``/``value`` into ``kv_cache`` and return ``[num_tokens, num_heads, head_dim]``."""
+
+    def forward_prewritten(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``forward`` for a cache that already holds this step's K/V at ``slot_mapping``."""
+        raise NotImplementedError(f"attention backend {self.name!r} writes its own KV")

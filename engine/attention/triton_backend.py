@@ -4,6 +4,7 @@
 kernels in ``triton_kernels.py``. It reads only the host-side integers of the metadata
 (``num_reqs``, ``max_query_len``, ``max_seq_len``) and never synchronises with the device,
 so a decode step through it can be captured in a CUDA graph (engine/cuda_graphs.py).
+``forward_prewritten`` skips the KV write for a model whose RoPE kernel already stored K/V.
 
 On a CPU tensor it runs only under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, for
 the kernel tests CI runs): anything else is a ValueError with that advice.
@@ -230,11 +231,29 @@ def paged_attention(
 
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Raise ValueError for shapes/dtypes the kernels do not handle."""
-    _check_device(query)
     if query.dim() != 3 or key.dim() != 3:
         raise ValueError(
             f"query/key must be [tokens, heads, head_dim], got {tuple(query.shape)}, {tuple(key.shape)}"
         )
+    _validate(query, key.shape[1], kv_cache)
+
+
+def validate_prewritten(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """``validate_inputs`` for a cache the caller has written: the cache alone gives the
+    KV head count, and it must have the layout the fused store writes."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != query.shape[2]:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not fit query {tuple(query.shape)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache layer view must be contiguous")
+    _validate(query, kv_cache.shape[3], kv_cache)
+
+
+def _validate(query: torch.Tensor, num_kv_heads: int, kv_cache: torch.Tensor) -> None:
+    _check_device(query)
     head_dim = query.shape[2]
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
@@ -242,9 +261,9 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tens
         raise ValueError(
             f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES})"
         )
-    if query.shape[1] % key.shape[1]:
+    if query.shape[1] % num_kv_heads:
         raise ValueError(
-            f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key.shape[1]}"
+            f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}"
         )
     page = kv_cache.shape[2]
     if page < 1 or page & (page - 1):
@@ -255,6 +274,7 @@ class TritonAttention(AttentionBackend):
     """Paged attention through Triton kernels; CUDA (or TRITON_INTERPRET=1 on the CPU)."""
 
     name = "triton"
+    accepts_prewritten_kv = True
 
     def __init__(self) -> None:
         self._num_sms: dict[int, int] = {}
@@ -278,4 +298,14 @@ class TritonAttention(AttentionBackend):
     ) -> torch.Tensor:
         validate_inputs(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return paged_attention(query, kv_cache, meta, scale, num_sms=self._sms(query.device))
+
+    def forward_prewritten(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        validate_prewritten(query, kv_cache)
         return paged_attention(query, kv_cache, meta, scale, num_sms=self._sms(query.device))

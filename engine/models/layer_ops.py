@@ -1,5 +1,6 @@
 """The element-wise work of a decoder layer: RMSNorm (optionally fused with the residual
-add), SiLU·mul and rotary embeddings.
+add), SiLU·mul and rotary embeddings (optionally fused with the store of K/V into the
+paged cache), and the projections' matmuls (``linear``).
 
 Two implementations with one interface. ``TorchOps`` is plain torch, the reference (it is
 what runs on the CPU, where float32 outputs match Hugging Face token for token).
@@ -8,6 +9,8 @@ what runs on the CPU, where float32 outputs match Hugging Face token for token).
 tail time inside a CUDA graph cost about as much as streaming the weights. The Triton
 kernels round where torch rounds (every intermediate that torch keeps in the model dtype is
 rounded to it), so both give the same values up to float32 summation order.
+``TritonOps.linear`` is a one-launch GEMV (``triton_gemv.py``) at 1-4 rows, where cuBLAS
+reads the weights below HBM bandwidth and splits K over two kernels, and cuBLAS otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ import torch
 
 class TorchOps:
     name = "torch"
+    # True where ``rope_store_kv`` writes the cache inside the RoPE kernel (one launch
+    # fewer per layer); the model then hands the backend a prewritten cache. Here it is
+    # the reference, so the model keeps the backend's own write.
+    fuses_kv_write = False
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias``, what ``nn.Linear`` computes (the weight in its layout)."""
+        return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +67,42 @@ class TorchOps:
         c = cos[positions].unsqueeze(1).to(q.dtype)
         s = sin[positions].unsqueeze(1).to(q.dtype)
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+    @classmethod
+    def rope_store_kv(
+        cls,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """``rope`` of ``q``/``k``, then rotated ``k`` and ``v`` [T, Hk, D] stored into one
+        layer's paged cache ``kv_cache`` [2, blocks, block_size, Hk, D] at ``slot_mapping``
+        [T] (slot < 0: not stored). Returns the rotated ``q``."""
+        q, k = cls.rope(positions, q, k, cos, sin)
+        store_kv(kv_cache, k, v, slot_mapping)
+        return q
+
+
+def store_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter ``k``/``v`` rows into the cache at their slots, skipping negative slots.
+
+    The boolean selection synchronises with the device: this is the reference, the fused
+    kernel is what a CUDA graph runs."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != k.shape[1:]:
+        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit k {tuple(k.shape)}")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = k[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = v[keep].to(kv_cache.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

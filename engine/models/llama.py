@@ -18,6 +18,12 @@ from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.rope import RotaryEmbedding
 
 
+def _project(ops: LayerOps, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``proj(x)`` computed by ``ops`` (a one-launch GEMV at decode batch sizes on a GPU);
+    the ``nn.Linear`` only holds the parameters, so weight loading is unchanged."""
+    return ops.linear(x, proj.weight, proj.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
@@ -64,16 +70,24 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = _project(self.rope.ops, self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        ops = self.rope.ops
+        if ops.fuses_kv_write and self.backend.accepts_prewritten_kv:
+            # One kernel rotates q/k and stores k/v in the cache: no separate write launch.
+            q = ops.rope_store_kv(
+                positions, q, k, v, self.rope.cos, self.rope.sin, kv_cache, meta.slot_mapping
+            )
+            out = self.backend.forward_prewritten(q, kv_cache, meta, self.scale)
+        else:
+            q, k = self.rope(positions, q, k)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return _project(self.rope.ops, self.o_proj, out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -84,7 +98,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = _project(self.ops, self.gate_up_proj, x)
+        return _project(self.ops, self.down_proj, self.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

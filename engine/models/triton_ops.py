@@ -4,6 +4,9 @@ Each kernel replaces a chain of torch ops with one launch and rounds to the mode
 exactly where the torch chain does: a value torch stores as bfloat16 between two ops is
 rounded to bfloat16 here too (``_round``), so the results differ from ``TorchOps`` only by
 the order of float32 sums.
+
+The RoPE kernel can also store rotated k and v straight into the paged KV cache
+(``rope_store_kv``), so a decode step skips the attention backend's separate write kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import triton
 import triton.language as tl
 
 from engine.models.layer_ops import TorchOps
+from engine.models.triton_gemv import _launch as _gemv
+from engine.models.triton_gemv import prefers_cublas, supports_gemv
 
 
 @triton.jit
@@ -106,10 +111,15 @@ def _rope_kernel(
     stride_k,
     n_q_heads,
     n_k_heads,
+    v_ptr,  # STORE_KV only (as are the four after it)
+    slot_ptr,
+    stride_v,
+    kv_half,  # elements between the K and the V half of the layer cache
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     Q_HEADS_P2: tl.constexpr,
     K_HEADS_P2: tl.constexpr,
+    STORE_KV: tl.constexpr,  # k_out_ptr is the paged cache: rotated k and v go to the slot
 ):
     tok = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
@@ -124,10 +134,26 @@ def _rope_kernel(
         q_ptr, q_out_ptr, tok * stride_q, tok * n_q_heads * HEAD_DIM, c1, c2, s1, s2,
         n_q_heads, HEAD_DIM, HALF, Q_HEADS_P2,
     )  # fmt: skip
-    _rope_heads(
-        k_ptr, k_out_ptr, tok * stride_k, tok * n_k_heads * HEAD_DIM, c1, c2, s1, s2,
-        n_k_heads, HEAD_DIM, HALF, K_HEADS_P2,
-    )  # fmt: skip
+    if STORE_KV:
+        # The cache holds the model dtype (the wrapper checks), so rotated k is rounded
+        # exactly as the unfused kernel rounds its output.
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:  # -1: padding, or a token whose KV is already cached
+            row = slot * n_k_heads * HEAD_DIM
+            _rope_heads(
+                k_ptr, k_out_ptr, tok * stride_k, row, c1, c2, s1, s2,
+                n_k_heads, HEAD_DIM, HALF, K_HEADS_P2,
+            )  # fmt: skip
+            heads = tl.arange(0, K_HEADS_P2)[:, None]
+            offs = heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+            mask = heads < n_k_heads
+            v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+            tl.store(k_out_ptr + kv_half + row + offs, v, mask=mask)
+    else:
+        _rope_heads(
+            k_ptr, k_out_ptr, tok * stride_k, tok * n_k_heads * HEAD_DIM, c1, c2, s1, s2,
+            n_k_heads, HEAD_DIM, HALF, K_HEADS_P2,
+        )  # fmt: skip
 
 
 def _warps(block: int) -> int:
@@ -136,6 +162,19 @@ def _warps(block: int) -> int:
 
 class TritonOps(TorchOps):
     name = "triton"
+    fuses_kv_write = True
+    use_gemv = True  # False: every projection through cuBLAS (benchmarks' before/after rows)
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The Triton GEMV at 1-4 rows (decode), cuBLAS for anything larger (prefill)."""
+        if (
+            TritonOps.use_gemv
+            and supports_gemv(x, weight, bias)
+            and not prefers_cublas(weight.shape[0], x.shape[1], x.shape[0], x.dtype)
+        ):
+            return _gemv(x, weight, bias, None)
+        return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,19 +224,14 @@ class TritonOps(TorchOps):
         return out
 
     @staticmethod
-    def rope(
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reads ``q``/``k`` as strided views (e.g. of the fused qkv projection) and writes
-        contiguous rotated copies."""
-        tokens, q_heads, dim = q.shape
-        k_heads = k.shape[1]
+    def _rope_applies(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> bool:
+        """Shapes/strides the RoPE kernel handles: q/k may be strided views by token (the
+        fused qkv output) but each token's heads must be dense."""
+        dim = q.shape[2]
         half = dim // 2
-        if (
+        return not (
             dim % 2
             or half & (half - 1)  # tl.arange needs a power of two
             or q.stride(2) != 1
@@ -207,15 +241,71 @@ class TritonOps(TorchOps):
             or cos.dtype != torch.float32
             or not cos.is_contiguous()
             or not sin.is_contiguous()
-        ):
+        )
+
+    @staticmethod
+    def rope(
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reads ``q``/``k`` as strided views (e.g. of the fused qkv projection) and writes
+        contiguous rotated copies."""
+        if not TritonOps._rope_applies(q, k, cos, sin):
             return TorchOps.rope(positions, q, k, cos, sin)
+        tokens, q_heads, dim = q.shape
+        k_heads = k.shape[1]
         q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
         k_out = torch.empty((tokens, k_heads, dim), dtype=k.dtype, device=k.device)
         if tokens:
             _rope_kernel[(tokens,)](
                 q, k, positions, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
-                q_heads, k_heads, HEAD_DIM=dim, HALF=half,
+                q_heads, k_heads, q, positions, 0, 0, HEAD_DIM=dim, HALF=dim // 2,
                 Q_HEADS_P2=triton.next_power_of_2(q_heads),
-                K_HEADS_P2=triton.next_power_of_2(k_heads),
+                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=False,
             )  # fmt: skip
         return q_out, k_out
+
+    @classmethod
+    def rope_store_kv(
+        cls,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """``rope`` and the paged-cache store of rotated ``k`` and ``v`` in one launch (the
+        cache layout of engine/attention/triton_kernels.py). ``v`` may be a strided view
+        like ``q``/``k``. Returns the rotated ``q``, contiguous."""
+        tokens, q_heads, dim = q.shape
+        k_heads = k.shape[1]
+        if (
+            not cls._rope_applies(q, k, cos, sin)
+            or v.shape != k.shape
+            or v.stride(2) != 1
+            or v.stride(1) != dim
+            or not q.dtype == k.dtype == v.dtype == kv_cache.dtype  # one rounding, no casts
+            or kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2
+            or kv_cache.shape[3:] != (k_heads, dim)
+            or not kv_cache.is_contiguous()
+            or slot_mapping.shape != (tokens,)
+        ):
+            # The reference's store with TritonOps.rope (itself falling back where it must).
+            return super().rope_store_kv(positions, q, k, v, cos, sin, kv_cache, slot_mapping)
+        q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+        if tokens:
+            _rope_kernel[(tokens,)](
+                q, k, positions, cos, sin, q_out, kv_cache, q.stride(0), k.stride(0),
+                q_heads, k_heads, v, slot_mapping, v.stride(0), kv_cache.stride(0),
+                HEAD_DIM=dim, HALF=dim // 2,
+                Q_HEADS_P2=triton.next_power_of_2(q_heads),
+                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=True,
+            )  # fmt: skip
+        return q_out
