@@ -290,7 +290,8 @@ def e2e_plan(plan: str) -> list[PlanRow]:
     ``quick``: graphed GPU step times + batch-1 decode. ``fused``: the fused element-wise
     kernels' before/after (graphed Triton engine with and without them) + transformers.
     ``async``: the 8B engine as it is, then without async scheduling, then without the
-    Triton GEMV (each the engine as it is minus that one change)."""
+    Triton GEMV (each the engine as it is minus that one change). ``vs_hf``: 8B offline
+    throughput and transformers only."""
     full = ["decode_b1", "prefill_2k", "thr_1k_1k", "thr_1k_16"]
     big, small = MODELS
     if plan == "quick":
@@ -302,6 +303,8 @@ def e2e_plan(plan: str) -> list[PlanRow]:
             (big, "triton", True, ["gpu_step", "decode_b1"], "cublas"),
             (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], ""),
         ]
+    if plan == "vs_hf":  # the 10x comparison alone: 8B throughput and transformers
+        return [(big, "triton", True, ["thr_1k_1k", "thr_1k_16"], ""), (big, "hf", False, [], "")]
     if plan == "fused":
         return [
             (big, "triton", True, ["gpu_step", *full], ""),
@@ -311,7 +314,7 @@ def e2e_plan(plan: str) -> list[PlanRow]:
             (small, "triton", True, ["gpu_step", "decode_b1"], "unfused"),
         ]
     if plan != "full":
-        raise ValueError(f"--plan must be full, quick, fused or async, got {plan!r}")
+        raise ValueError(f"--plan must be full, quick, fused, async or vs_hf, got {plan!r}")
     rows: list[PlanRow] = []
     for model in MODELS:
         rows += [(model, "triton", True, full, ""), (model, "hf", False, [], "")]
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--plan",
         default="full",
-        choices=["full", "quick", "fused", "async"],
+        choices=["full", "quick", "fused", "async", "vs_hf"],
         help="e2e variants (see e2e_plan): full, quick (GPU step + batch-1 only), fused / "
         "async (before/after rows)",
     )
