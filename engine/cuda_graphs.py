@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -169,39 +168,3 @@ class DecodeGraphs:
             b.seq_lens[n:bs].zero_()
         self._graphs[bs].replay()
         return self._outputs[bs][:n]
-
-
-def install_decode_graphs(runner: Any, max_batch_size: int) -> DecodeGraphs:
-    """Capture decode graphs for a ModelRunner and route its pure-decode steps through them.
-
-    ``runner`` needs ``model`` (with ``compute_logits``), ``kv_cache``, ``prepare``,
-    ``execute``, ``device``, ``max_model_len`` and ``max_blocks_per_req``. Steps where every
-    request schedules exactly one token and whose batch fits a bucket replay a graph; all
-    others (prefill, chunked prefill, larger batches) run ``execute`` eagerly as before.
-    """
-
-    if getattr(runner, "graphs", None) is not None:
-        return runner.graphs  # the runner captured its own (EngineConfig.cuda_graphs)
-
-    def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return runner.model.compute_logits(runner.model(ids, pos, runner.kv_cache, meta))
-
-    graphs = DecodeGraphs(
-        forward,
-        max_model_len=runner.max_model_len,
-        max_blocks_per_req=runner.max_blocks_per_req,
-        device=runner.device,
-        buckets=default_buckets(max_batch_size),
-    )
-    graphs.capture()
-    eager = runner.execute
-
-    def execute(scheduled: list[Any]) -> torch.Tensor:
-        if all(s.num_new_tokens == 1 for s in scheduled) and graphs.bucket_for(len(scheduled)):
-            inputs = runner.prepare(scheduled)
-            with torch.inference_mode():
-                return graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return eager(scheduled)
-
-    runner.execute = execute
-    return graphs
