@@ -125,6 +125,9 @@ def _model_case(n: int, dtype: Any, device: str, seed: int) -> float:
         torch.manual_seed(seed)
         with torch.device(device):
             model = LlamaForCausalLM(args, TorchRefAttention(), 512, ops).to(dtype).eval()
+        # float32 rope tables, as build_model keeps them (bf16 ones send TritonOps.rope to
+        # its torch fallback, and the case would not run the RoPE kernel at all)
+        model.rope.cos, model.rope.sin = model.rope.cos.float(), model.rope.sin.float()
         for p in model.parameters():
             p.data.normal_(0, 0.2)
         case = make_case(
