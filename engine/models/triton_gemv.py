@@ -171,81 +171,57 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemvConfig:
     return block_n, block_k, warps, 2
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    raise ValueError(
-        f"the triton gemv needs CUDA tensors (got {t.device}); on the CPU use "
-        "torch.nn.functional.linear (TRITON_INTERPRET=1 runs the kernel slowly, for tests)"
-    )
-
-
-def _device_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" or (
-        t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    )
-
-
-def supports_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``gemv(x, weight, bias)`` applies (else use ``F.linear``): 1-4 rows of ``x``
-    contiguous along K, a contiguous ``[N, K]`` weight and a contiguous ``[N]`` bias of the
-    same dtype (bf16/fp16/fp32) on one CUDA device (or the CPU under TRITON_INTERPRET=1)."""
-    return (
-        x.dim() == 2
-        and weight.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
-        and x.shape[1] == weight.shape[1] >= 1
-        and weight.shape[0] >= 1
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-        and x.dtype in _DTYPES
-        and weight.dtype == x.dtype
-        and x.device == weight.device
-        and _device_ok(x)
-        and (
-            bias is None
-            or (
-                bias.shape == (weight.shape[0],)
-                and bias.is_contiguous()
-                and bias.dtype == x.dtype
-                and bias.device == x.device
-            )
+def _problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why ``gemv(x, weight, bias)`` cannot run, or None: one list of conditions for both
+    ``supports_gemv`` (the model's routing) and ``gemv``'s ValueError."""
+    if not (
+        x.device.type == "cuda"
+        or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    ):
+        return (
+            f"the triton gemv needs CUDA tensors (got {x.device}); on the CPU use "
+            "torch.nn.functional.linear (TRITON_INTERPRET=1 runs the kernel slowly, for tests)"
         )
-    )
-
-
-def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    _check_device(x)
     if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(
+        return (
             f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"gemv handles 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
+        return f"gemv handles 1 to {MAX_ROWS} rows of x, got {x.shape[0]}"
     if x.shape[1] != weight.shape[1] or x.shape[1] < 1 or weight.shape[0] < 1:
-        raise ValueError(
-            f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)} (need [M, K], [N, K])"
-        )
+        return f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)} (need [M, K], [N, K])"
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"dtypes: x {x.dtype}, weight {weight.dtype} (need one of {_DTYPES})")
+        return f"dtypes: x {x.dtype}, weight {weight.dtype} (need one of {_DTYPES})"
     if x.device != weight.device:
-        raise ValueError(f"x is on {x.device} but weight on {weight.device}")
+        return f"x is on {x.device} but weight on {weight.device}"
     if x.stride(1) != 1:
-        raise ValueError(f"x must be contiguous along K (strides {x.stride()})")
+        return f"x must be contiguous along K (strides {x.stride()})"
     if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous (strides {weight.stride()})")
+        return f"weight must be contiguous (strides {weight.stride()})"
     if bias is not None and (
         bias.shape != (weight.shape[0],)
         or not bias.is_contiguous()
         or bias.dtype != x.dtype
         or bias.device != x.device
     ):
-        raise ValueError(
+        return (
             f"bias must be a contiguous [{weight.shape[0]}] {x.dtype} tensor on {x.device}, "
             f"got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
         )
+    return None
+
+
+def supports_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``gemv(x, weight, bias)`` applies (else use ``F.linear``): 1-4 rows of ``x``
+    contiguous along K, a contiguous ``[N, K]`` weight and a contiguous ``[N]`` bias of the
+    same dtype (bf16/fp16/fp32) on one CUDA device (or the CPU under TRITON_INTERPRET=1)."""
+    return _problem(x, weight, bias) is None
+
+
+def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    problem = _problem(x, weight, bias)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _validate_config(config: GemvConfig) -> None:
