@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_helm_chart import RELEASE, ci, container, env_of, find, render
+from tests.unit.helm_support import RELEASE, ci, container, env_of, find, render
 
 
 class Router(ThreadingHTTPServer):

@@ -1,144 +1,28 @@
-"""The Helm chart, rendered by the real ``helm`` binary and checked by the real
-``kubernetes-validate`` schemas (Kubernetes 1.35, strict: unknown fields fail), then
-inspected object by object."""
+"""The chart's core services (router, prefill, decode, KV connectors, model sources),
+rendered by the real ``helm`` binary and inspected object by object."""
 
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from autoscaler.config import build_parser, env_name
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "pdserve"
-CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-KUBE_VERSION = "1.35.0"
-RELEASE = "rel"
-NS = "serving"
-
-
-def helm_binary() -> str:
-    local = REPO / ".tools" / "bin" / "helm"
-    if local.exists():
-        return str(local)
-    found = shutil.which("helm")
-    if found is None:
-        pytest.fail("the helm binary is missing: run `make tools` (installs .tools/bin/helm)")
-    return found
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=60)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
-    return proc
-
-
-def render_text(*values: Path, sets: tuple[str, ...] = ()) -> str:
-    args = ["template", RELEASE, str(CHART), "--namespace", NS, "--kube-version", KUBE_VERSION]
-    for v in values:
-        args += ["-f", str(v)]
-    for s in sets:
-        args += ["--set", s]
-    return helm(*args).stdout
-
-
-def render(*values: Path, sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(render_text(*values, sets=sets)) if d]
-
-
-def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    for obj in objs:
-        if obj["kind"] == kind and obj["metadata"]["name"] == name:
-            return obj
-    raise AssertionError(
-        f"{kind}/{name} not rendered; have {[(o['kind'], o['metadata']['name']) for o in objs]}"
-    )
-
-
-def kinds(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def container(workload: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-    containers = workload["spec"]["template"]["spec"]["containers"]
-    return containers[0] if name is None else next(c for c in containers if c["name"] == name)
-
-
-def env_of(c: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
-
-
-def ci(name: str) -> Path:
-    return CHART / "ci" / f"{name}-values.yaml"
-
-
-def pod_templates(objs: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for o in objs:
-        if o["kind"] in {"Deployment", "StatefulSet", "Job"}:
-            yield o["spec"]["template"]
-
-
-def kubernetes_validate(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "rendered.yaml"
-    path.write_text(text)
-    tool = [sys.executable, "-m", "kubernetes_validate"]
-    if shutil.which("kubernetes-validate"):
-        tool = [str(shutil.which("kubernetes-validate"))]
-    return subprocess.run(
-        [*tool, "--strict", "-k", KUBE_VERSION, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def test_ci_values_cover_the_required_scenarios() -> None:
-    assert {p.name for p in CI_VALUES} >= {
-        "default-values.yaml",
-        "redis-values.yaml",
-        "lmcache-values.yaml",
-        "fs-pvc-values.yaml",
-        "autoscaler-values.yaml",
-    }
-
-
-@pytest.mark.parametrize(
-    "values", [None, *CI_VALUES], ids=lambda v: "chart-defaults" if v is None else v.stem
+from tests.unit.helm_support import (
+    CHART,
+    CI_VALUES,
+    NS,
+    RELEASE,
+    ci,
+    container,
+    env_of,
+    find,
+    helm,
+    kinds,
+    pod_templates,
+    render,
 )
-def test_helm_lint_strict(values: Path | None) -> None:
-    args = ["lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION]
-    if values is not None:
-        args += ["-f", str(values)]
-    proc = helm(*args, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 chart(s) failed" in proc.stdout
-
-
-@pytest.mark.parametrize("values", CI_VALUES, ids=lambda v: v.stem)
-def test_rendered_objects_pass_strict_schema_validation(values: Path, tmp_path: Path) -> None:
-    proc = kubernetes_validate(render_text(values), tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ERROR" not in proc.stdout
-    assert proc.stdout.count("passed for resource") >= 15
-
-
-def test_schema_validation_would_catch_a_bad_field(tmp_path: Path) -> None:
-    # Negative control: the validator really rejects an unknown field in our objects.
-    text = render_text(ci("default")).replace(
-        "terminationGracePeriodSeconds:", "terminationGracePeriodSecs:", 1
-    )
-    proc = kubernetes_validate(text, tmp_path)
-    assert proc.returncode != 0 and "terminationGracePeriodSecs" in proc.stdout + proc.stderr
 
 
 def test_engines_request_gpus_and_the_router_does_not() -> None:
@@ -457,81 +341,6 @@ def test_pdserve_tune_output_installs(tmp_path: Path) -> None:
         assert (
             env["PDSERVE_MAX_NUM_SEQS"] == "128" and env["PDSERVE_MAX_NUM_BATCHED_TOKENS"] == "4096"
         )
-
-
-def test_bad_values_are_rejected_with_a_clear_error() -> None:
-    for sets, message in [
-        ("connector.type=s3", "connector/type"),
-        ("router.discovery=consul", "router/discovery"),
-        ("decode.kvLoadFailure=ignore", "kvLoadFailure"),
-        ("prefill.typo=1", "typo"),
-        (
-            "autoscaler.enabled=true,autoscaler.prefill.minReplicas=9",
-            "minReplicas (9) must not exceed",
-        ),
-    ]:
-        proc = helm("template", RELEASE, str(CHART), "--set", sets, check=False)
-        assert proc.returncode != 0 and message in proc.stderr, (sets, proc.stderr)
-
-
-def test_autoscaler_owns_replicas_and_speaks_its_env_contract() -> None:
-    objs = render(ci("autoscaler"))
-    for role in ("prefill", "decode"):
-        assert "replicas" not in find(objs, "Deployment", f"{RELEASE}-pdserve-{role}")["spec"]
-    dep = find(objs, "Deployment", f"{RELEASE}-pdserve-autoscaler")
-    c = container(dep)
-    assert c["command"] == ["python", "-m", "autoscaler"] and dep["spec"]["replicas"] == 1
-    env = env_of(c)
-    known = {
-        env_name(a.option_strings[0])
-        for a in build_parser({})._actions
-        if a.option_strings and a.option_strings[0].startswith("--")
-    }
-    assert set(env) <= known, f"unknown autoscaler env: {set(env) - known}"
-    assert env["PDSERVE_AUTOSCALER_PREFILL_DEPLOYMENT"] == f"{RELEASE}-pdserve-prefill"
-    assert (
-        env["PDSERVE_AUTOSCALER_TTFT_P90_TARGET"] == "0.5"
-        and env["PDSERVE_AUTOSCALER_DECODE_MIN"] == "2"
-    )
-    headless = env["PDSERVE_AUTOSCALER_METRICS_DNS"].split(".")[0]
-    assert find(objs, "Service", headless)["spec"]["clusterIP"] == "None"
-    assert {sm["metadata"]["name"] for sm in kinds(objs, "ServiceMonitor")} == {
-        f"{RELEASE}-pdserve-{c}" for c in ("router", "prefill", "decode", "autoscaler")
-    }
-    assert not [o for o in render(ci("default")) if "autoscaler" in o["metadata"]["name"]]
-    assert (
-        "replicas"
-        in find(render(ci("default")), "Deployment", f"{RELEASE}-pdserve-prefill")["spec"]
-    )
-
-
-def test_dashboard_queries_only_contract_metrics() -> None:
-    objs = render(ci("default"))
-    cm = find(objs, "ConfigMap", f"{RELEASE}-pdserve-dashboard")
-    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    dash = json.loads(cm["data"]["pdserve.json"])
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    names = {m for e in exprs for m in re.findall(r"\b(pdserve_[a-z_]+?)(?:_bucket)?\{", e)}
-    contract = {
-        "pdserve_ttft_seconds",
-        "pdserve_itl_seconds",
-        "pdserve_tpot_seconds",
-        "pdserve_e2e_seconds",
-        "pdserve_phase_seconds",
-        "pdserve_requests_total",
-        "pdserve_kv_bytes_total",
-        "pdserve_kv_load_fallbacks_total",
-        "pdserve_disagg_decisions_total",
-        "pdserve_instance_waiting",
-        "pdserve_instance_running",
-        "pdserve_instance_kv_usage",
-        "pdserve_engine_prefix_hit_rate",
-        "pdserve_autoscaler_current_replicas",
-        "pdserve_autoscaler_desired_replicas",
-        "pdserve_autoscaler_pressure",
-    }
-    assert names and names <= contract, names - contract
-    assert {"pdserve_ttft_seconds", "pdserve_itl_seconds"} <= names
 
 
 def test_pods_run_unprivileged() -> None:
