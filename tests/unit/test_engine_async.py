@@ -1,4 +1,5 @@
-"""AsyncLLMEngine on a tiny model: streaming deltas, abort, bad input, cancellation."""
+"""AsyncLLMEngine on a tiny model: streaming deltas, abort, bad input, cancellation (each
+with and without async scheduling)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,16 @@ from engine.sampling_params import SamplingParams
 DEADLINE_S = 60.0
 
 
-@pytest.fixture()
-async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
-    eng = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 22))
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+async def engine(
+    tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[AsyncLLMEngine]:
+    """Each test runs with synchronous steps and with async scheduling (the GPU default;
+    engine/async_scheduling.py), which the step loop must drive the same way."""
+    config = EngineConfig(
+        model=str(tiny_model_dir), kv_cache_memory=1 << 22, async_scheduling=request.param
+    )
+    eng = AsyncLLMEngine(config)
     await eng.start()
     try:
         yield eng
@@ -65,6 +73,8 @@ async def test_generate_streams_deltas_matching_offline(
     assert tokens == ref.token_ids and text == ref.text
     load = engine.get_load()
     assert load.running == 0 and load.free_blocks == load.total_blocks
+    pipeline = engine.engine.pipeline
+    assert pipeline is None or pipeline.num_launched_ahead >= 5  # async: steps went ahead
 
 
 async def test_concurrent_requests_all_complete(engine: AsyncLLMEngine) -> None:
