@@ -11,26 +11,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pdserve.kube_client import make_api_client  # noqa: F401 - re-exported
+
 T = TypeVar("T")
 
 
 class ScaleError(RuntimeError):
     """Reading or patching a Deployment's scale failed."""
-
-
-def make_api_client(api_url: str | None = None) -> Any:
-    """In-cluster config in a pod, else ``api_url`` (kubectl proxy, tests), else kubeconfig."""
-    from kubernetes import client, config
-
-    if api_url:
-        cfg = client.Configuration()
-        cfg.host = api_url.rstrip("/")
-        return client.ApiClient(cfg)
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 class DeploymentScaler:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.kube_client import make_api_client
 from router.discovery_base import ChangeCallback, InstanceDiscovery, format_hostport
 
 logger = logging.getLogger(__name__)
@@ -33,22 +34,6 @@ class Backoff:
         ceiling = min(self.maximum, self.initial * self.factor ** max(attempt, 0))
         # Jitter spreads the retries of many router replicas after an API outage.
         return random.uniform(ceiling / 2, ceiling)
-
-
-def make_api_client(api_url: str | None = None, request_timeout: float = 10.0) -> Any:
-    """A ``kubernetes.client.ApiClient``: in-cluster config when running in a pod, else
-    ``api_url`` (e.g. ``kubectl proxy``'s http://127.0.0.1:8001), else ~/.kube/config."""
-    from kubernetes import client, config
-
-    if api_url:
-        cfg = client.Configuration()
-        cfg.host = api_url.rstrip("/")
-        return client.ApiClient(cfg)
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 class _Relist(Exception):
