@@ -95,16 +95,15 @@ def _case(op: str, n: int, shape: Any, dtype_name: str, device: str, seed: int) 
     raise ValueError(f"unknown op {op!r}")
 
 
-def _model_case(n: int, dtype: Any, device: str, seed: int) -> float:
-    """A tiny Llama (2 layers) built twice with the same weights, once per ops class."""
+def tiny_llama(dtype: Any, device: str, ops: Any, backend: Any, seed: int) -> Any:
+    """A tiny Llama (2 layers, 4 heads / 2 KV heads of 16, vocab 256), weights from
+    ``seed`` (the same for every ``ops``/``backend``), float32 RoPE tables as
+    ``build_model`` keeps them (bf16 ones would send the RoPE kernels to their torch
+    fallback, and a case would not run them at all)."""
     import torch
 
-    from engine.attention.torch_ref import TorchRefAttention
-    from engine.attention.triton_testing import make_case
     from engine.models.config import ModelArgs
-    from engine.models.layer_ops import TorchOps
     from engine.models.llama import LlamaForCausalLM
-    from engine.models.triton_ops import TritonOps
 
     args = ModelArgs.from_hf(
         {
@@ -120,16 +119,27 @@ def _model_case(n: int, dtype: Any, device: str, seed: int) -> float:
             "rope_theta": 10000.0,
         }
     )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(args, backend, 512, ops).to(dtype).eval()
+    model.rope.cos, model.rope.sin = model.rope.cos.float(), model.rope.sin.float()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model
+
+
+def _model_case(n: int, dtype: Any, device: str, seed: int) -> float:
+    """The tiny Llama built twice with the same weights, once per ops class."""
+    import torch
+
+    from engine.attention.torch_ref import TorchRefAttention
+    from engine.attention.triton_testing import make_case
+    from engine.models.layer_ops import TorchOps
+    from engine.models.triton_ops import TritonOps
+
     outs = []
     for ops in (TorchOps, TritonOps):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = LlamaForCausalLM(args, TorchRefAttention(), 512, ops).to(dtype).eval()
-        # float32 rope tables, as build_model keeps them (bf16 ones send TritonOps.rope to
-        # its torch fallback, and the case would not run the RoPE kernel at all)
-        model.rope.cos, model.rope.sin = model.rope.cos.float(), model.rope.sin.float()
-        for p in model.parameters():
-            p.data.normal_(0, 0.2)
+        model = tiny_llama(dtype, device, ops, TorchRefAttention(), seed)
         case = make_case(
             [n], [0], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
             dtype=dtype, device=device, seed=seed,

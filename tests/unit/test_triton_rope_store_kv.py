@@ -158,37 +158,6 @@ def _kernel_case(
     }
 
 
-def _tiny_model(dtype: Any, device: str, ops: Any, backend: Any, seed: int) -> Any:
-    import torch
-
-    from engine.models.config import ModelArgs
-    from engine.models.llama import LlamaForCausalLM
-
-    args = ModelArgs.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 128,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-        }
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(args, backend, 512, ops).to(dtype).eval()
-    # As engine/models/__init__.py does: the RoPE tables stay float32 (a bf16 table would
-    # send the RoPE kernels to their torch fallback).
-    model.rope.cos, model.rope.sin = model.rope.cos.float(), model.rope.sin.float()
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    return model
-
-
 def _model_case(
     q_lens: list[int], cached: list[int], dtype_name: str, device: str, seed: int
 ) -> dict[str, Any]:
@@ -201,6 +170,7 @@ def _model_case(
     from engine.attention.triton_testing import make_case
     from engine.models.layer_ops import TorchOps
     from engine.models.triton_ops import TritonOps
+    from tests.unit.test_triton_layer_ops import tiny_llama
 
     class UnfusedTritonOps(TritonOps):
         """The same kernels, but the model takes the old rope + backend-write path."""
@@ -247,7 +217,7 @@ def _model_case(
         del runs["torch"]  # bf16 against torch is the kernel cases' job
     logits, caches = {}, {}
     for name, (ops, backend) in runs.items():
-        model = _tiny_model(dtype, device, ops, backend, seed)
+        model = tiny_llama(dtype, device, ops, backend, seed)
         cache = cache0.clone()
         with torch.inference_mode():
             hidden = model(ids, positions, cache, case.meta)
