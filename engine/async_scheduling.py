@@ -108,8 +108,9 @@ class StepPipeline:
         positions = [r.num_computed_tokens for r in requests]  # num_tokens lags in flight
         self.deferred = DeferredStep(scheduled, self.sampler.launch(logits, requests, positions))
 
-    def advance(self) -> DeferredStep:
-        """Launch the step after the deferred one if possible; return the deferred one."""
+    def advance(self) -> tuple[DeferredStep, bool]:
+        """Launch the step after the deferred one if possible; return the deferred one and
+        whether a step was launched."""
         step, self.deferred = self.deferred, None
         if step is None:
             raise RuntimeError("no deferred step to advance")
@@ -130,4 +131,4 @@ class StepPipeline:
                 ids = ids[index.to(ids.device, non_blocking=True)]
             self.defer(batch, self.runner.execute(batch, input_ids=ids))
             self.num_launched_ahead += 1
-        return step
+        return step, bool(batch)

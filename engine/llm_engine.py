@@ -25,7 +25,7 @@ from engine.models import ModelArgs
 from engine.outputs import KvSaveResult, LoadStats, RequestOutput, TokenLogprob
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.request_limits import RequestLimits
-from engine.sampler import Sampler
+from engine.sampler import SampledToken, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.spec_decode.decoder import SpecDecoder, SpecDecodeStats
@@ -194,18 +194,19 @@ class LLMEngine:
         """Launch the step after the deferred one when possible (async scheduling), then
         turn the deferred one's tokens into outputs while the GPU runs the next."""
         assert self.pipeline is not None
-        launched = self.pipeline.num_launched_ahead
-        step = self.pipeline.advance()
-        self.num_steps += self.pipeline.num_launched_ahead - launched
-        outputs = []
-        for s, tok in zip(step.scheduled, step.tokens.result(), strict=True):
-            request = s.request
-            if request.is_finished:  # finished at the step before, or aborted since
-                continue
-            text, status = self._accept_token(request, tok.token_id)
-            logprobs = [tok.logprob] if tok.logprob is not None else None
-            outputs.append(self._token_output(request, [tok.token_id], text, logprobs, status))
-        return outputs
+        step, launched = self.pipeline.advance()
+        self.num_steps += launched
+        return [
+            self._sampled_output(s.request, tok)
+            for s, tok in zip(step.scheduled, step.tokens.result(), strict=True)
+            if not s.request.is_finished  # finished at the step before, or aborted since
+        ]
+
+    def _sampled_output(self, request: Request, tok: SampledToken) -> RequestOutput:
+        """Append one sampled token to its request and say so (text, logprob, finish)."""
+        text, status = self._accept_token(request, tok.token_id)
+        logprobs = [tok.logprob] if tok.logprob is not None else None
+        return self._token_output(request, [tok.token_id], text, logprobs, status)
 
     def _admit_guided(self) -> list[RequestOutput]:
         """Route requests whose grammar is ready; fail those it cannot serve."""
@@ -274,11 +275,8 @@ class LLMEngine:
         if to_sample:
             # Every row sampled (no drafts, no partial prefill): skip the gather's copy.
             sample_logits = logits if len(rows) == logits.shape[0] else logits[rows]
-            accept, token_output = self._accept_token, self._token_output
-            for request, tok in zip(to_sample, self.sampler(sample_logits, to_sample), strict=True):
-                text, status = accept(request, tok.token_id)
-                logprobs = [tok.logprob] if tok.logprob is not None else None
-                outputs.append(token_output(request, [tok.token_id], text, logprobs, status))
+            sampled = self.sampler(sample_logits, to_sample)
+            outputs += [self._sampled_output(r, t) for r, t in zip(to_sample, sampled, strict=True)]
         for s, verify_rows in to_verify:
             outputs.append(self._verify(s, verify_rows))
         return outputs

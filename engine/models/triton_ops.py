@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from engine.models.layer_ops import TorchOps
+from engine.models.triton_gemv import MAX_ROWS, prefers_cublas, supports_gemv
 from engine.models.triton_gemv import _launch as _gemv
-from engine.models.triton_gemv import prefers_cublas, supports_gemv
 
 
 @triton.jit
@@ -170,6 +170,8 @@ class TritonOps(TorchOps):
         """The Triton GEMV at 1-4 rows (decode), cuBLAS for anything larger (prefill)."""
         if (
             TritonOps.use_gemv
+            and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS  # first: prefill calls leave here, no checks built
             and supports_gemv(x, weight, bias)
             and not prefers_cublas(weight.shape[0], x.shape[1], x.shape[0], x.dtype)
         ):
