@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import CONFIGS, make_engine, model_numbers  # noqa: E402
+from gpu_bench import CONFIGS, decode_step_inputs, make_engine, model_numbers  # noqa: E402
 from gpu_bench_kernels import bench_ms  # noqa: E402
 
 log = logging.getLogger("decode_profile")
@@ -34,8 +34,6 @@ log = logging.getLogger("decode_profile")
 
 def decode_replay(engine: Any, bs: int, ctx: int) -> Any:
     """A closure replaying the graphed decode step for ``bs`` requests of ``ctx`` tokens."""
-    from gpu_bench import decode_step_inputs
-
     tokens, pos, meta = decode_step_inputs(engine, bs, ctx)
     return lambda: engine.runner.graphs.run(tokens, pos, meta)
 

@@ -16,6 +16,24 @@ from tests.e2e.router_support import complete_prompt as complete
 from tests.service_fixtures import start_router
 
 
+def _wait_decode_cancelled(stack: Stack, url: str, cancelled: float) -> None:
+    """Wait until the decode service (metrics at ``url``) counts one more cancelled Decode
+    call than ``cancelled`` and runs no request any more."""
+    wait_for(
+        lambda: (
+            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
+            > cancelled
+        ),
+        30,
+        "decode to see the cancellation",
+    )
+    wait_for(
+        lambda: running_requests(stack.decode.address, "decode") == 0,
+        30,
+        "decode to free the request",
+    )
+
+
 def test_concurrent_streams(stack: Stack) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> int:
         stream = await client.completions.create(
@@ -97,19 +115,7 @@ def test_client_disconnect_aborts_decode(stack: Stack) -> None:
             seen += line.startswith("data: ")
             if seen >= 3:
                 break  # leave mid-stream: closing the response drops the connection
-    wait_for(
-        lambda: (
-            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
-            > cancelled
-        ),
-        30,
-        "decode to see the cancellation",
-    )
-    wait_for(
-        lambda: running_requests(stack.decode.address, "decode") == 0,
-        30,
-        "decode to free the request",
-    )
+    _wait_decode_cancelled(stack, url, cancelled)
     assert metric(f"{stack.disagg.url}/metrics", "pdserve_requests_total", outcome="cancelled") >= 1
 
 
@@ -207,16 +213,4 @@ def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
         httpx.post(
             f"{stack.disagg.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0)
         )
-    wait_for(
-        lambda: (
-            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
-            > cancelled
-        ),
-        30,
-        "decode to see the cancellation",
-    )
-    wait_for(
-        lambda: running_requests(stack.decode.address, "decode") == 0,
-        30,
-        "decode to free the request",
-    )
+    _wait_decode_cancelled(stack, url, cancelled)
