@@ -33,3 +33,11 @@ def run_interpreted(script: str, timeout_s: float = 300) -> tuple[Any, str]:
     )  # fmt: skip
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def interpreted_results(script: str) -> dict[str, Any]:
+    """``run_interpreted`` for a module whose JSON is a ``{case: result}`` object; echoes
+    the first stderr line (the modules print their random seed there) so a failure names it."""
+    results, stderr = run_interpreted(script)
+    print(stderr.strip().splitlines()[0])
+    return dict(results)

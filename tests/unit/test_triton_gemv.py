@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import interpreted_results
 
 Config = tuple[int, int, int, int] | None
 # name: (M, N, K, dtype, bias, x row padding (strided rows when > 0), config or None for
@@ -142,9 +142,7 @@ MODEL_TOL = {"model_float32": 2e-6, "model_bfloat16": 2**-5}
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
-    results, stderr = run_interpreted(__file__)
-    print(stderr.strip().splitlines()[0])
-    return dict(results)
+    return interpreted_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(SMALL_CASES))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import interpreted_results
 
 # name: (op, rows/tokens, width or (q_heads, kv_heads, head_dim), dtype)
 SMALL_CASES: dict[str, tuple[str, int, Any, str]] = {
@@ -159,9 +159,7 @@ def run_cases(cases: dict[str, tuple[str, int, Any, str]], device: str) -> dict[
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
-    results, stderr = run_interpreted(__file__)
-    print(stderr.strip().splitlines()[0])
-    return dict(results)
+    return interpreted_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(SMALL_CASES))

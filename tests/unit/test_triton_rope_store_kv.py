@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import interpreted_results
 
 # name: (tokens, (q_heads, kv_heads, head_dim), dtype, block_size)
 SMALL_CASES: dict[str, tuple[int, tuple[int, int, int], str, int]] = {
@@ -261,9 +261,7 @@ def run_cases(
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, Any]]:
-    results, stderr = run_interpreted(__file__)
-    print(stderr.strip().splitlines()[0])
-    return dict(results)
+    return interpreted_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(SMALL_CASES))
