@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdserve.kube_client import make_api_client  # noqa: F401 - re-exported
+from common.kube_client import make_api_client  # noqa: F401 - re-exported
 
 T = TypeVar("T")
 

@@ -332,7 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
-    from pdserve.models import resolve_model
+    from common.models import resolve_model
 
     torch.set_num_threads(args.threads)
     args.model_dir = resolve_model(args.model)

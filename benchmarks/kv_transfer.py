@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from engine.block_hash import compute_block_hashes  # noqa: E402
+from common.block_hash import compute_block_hashes  # noqa: E402
 from kv_store.base import KvLayout, KVTransfer  # noqa: E402
 from kv_store.factory import KVStoreSettings, build_connector  # noqa: E402
 from kv_store.record import block_parts, cache_numpy, copy_into  # noqa: E402

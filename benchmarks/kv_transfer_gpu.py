@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.block_hash import compute_block_hashes  # noqa: E402
+from common.block_hash import compute_block_hashes  # noqa: E402
 from kv_store.base import KvLayout, KVTransfer  # noqa: E402
 from kv_store.block_connector import BlockStoreConnector  # noqa: E402
 from kv_store.fs_backend import FsBackend  # noqa: E402

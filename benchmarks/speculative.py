@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.models import resolve_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.detokenizer import load_tokenizer  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.models import resolve_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def run_pass(
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    stats = engine.spec_stats
+    stats = engine.stats().spec
     return {
         "seconds": time.perf_counter() - t0,
         "output_tokens": sum(len(v) for v in outputs.values()),

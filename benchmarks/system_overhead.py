@@ -57,10 +57,10 @@ from benchmarks.system_overhead_report import (  # noqa: E402
     phase_medians,
     render_markdown,
 )
+from common.flags import memory_size  # noqa: E402
 from pdserve.bench.metrics import percentile  # noqa: E402
 from pdserve.bench.offline import random_prompts  # noqa: E402
 from pdserve.procs import free_ports  # noqa: E402
-from pdserve.settings import memory_size  # noqa: E402
 
 logger = logging.getLogger("system_overhead")
 HERE = Path(__file__).resolve().parent
@@ -263,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-min", type=int, default=40, help="at least this many per level")
     p.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"],
                    choices=["disaggregated", "colocated"])  # fmt: skip
-    p.add_argument("--kv-cache-memory", default="64M", help="KV cache per engine")
+    p.add_argument("--kv-cache-memory", default="64Mi", help="KV cache per engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=240.0)
     p.add_argument("--request-timeout", type=float, default=60.0)

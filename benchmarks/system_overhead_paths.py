@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.system_overhead_report import Stream  # noqa: E402
-from pdserve.settings import memory_size  # noqa: E402
+from common.flags import memory_size  # noqa: E402
 
 READY = "pdserve is ready"
 # What `pdserve up` gives each engine process; the in-process engines get the same.
@@ -44,7 +44,7 @@ def engine_config(model_dir: Path, kv_cache_memory: str) -> Any:
 
     kv_bytes = memory_size(kv_cache_memory)
     if kv_bytes is None:
-        raise ValueError("--kv-cache-memory must be a size such as 64M")
+        raise ValueError("--kv-cache-memory must be a size such as 64Mi")
     return EngineConfig(model=str(model_dir), kv_cache_memory=kv_bytes)
 
 

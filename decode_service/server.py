@@ -14,10 +14,10 @@ from typing import Any
 import grpc.aio
 
 from decode_service.servicer import DecodeServicer
-from pdserve.settings import add_service_arguments
+from engine_service.core import EngineServiceCore
+from engine_service.runtime import run_service
+from engine_service.settings import add_service_arguments
 from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from prefill_service.base import EngineServiceCore
-from prefill_service.runtime import run_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``DecodeService``: the engine as KV consumer, streaming tokens (DESIGN §1 steps 5–7).
+"""``DecodeService``: the engine as KV consumer, streaming tokens (docs/design.md §1 steps 5–7).
 
 ``Decode`` takes the prompt, the tokens already generated (the first token from prefill, or
 everything so far when the router resumes a stream after losing a decode instance), the
@@ -19,17 +19,18 @@ from typing import Any
 
 import grpc.aio
 
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from prefill_service.base import EngineServiceCore
-from prefill_service.convert import (
+from engine.client import GenerateRequest
+from engine_service.convert import (
     check_handle_compatible,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
     token_ids,
 )
-from prefill_service.errors import ServiceUnavailable
+from engine_service.core import EngineServiceCore
+from engine_service.errors import ServiceUnavailable
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -69,12 +70,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         start = time.monotonic()
         first = True
         stream = core.run(
-            request_id,
-            prompt,
-            params,
-            output_token_ids=generated or None,
-            remote_kv=remote_kv,
-            priority=request.priority,
+            GenerateRequest(
+                request_id,
+                prompt,
+                params,
+                output_token_ids=generated or None,
+                remote_kv=remote_kv,
+                priority=request.priority,
+            )
         )
         async for out in stream:
             if out.error:

@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:
-    # LLM pulls in torch; keep `import engine.block_hash` light for the router.
+    # LLM pulls in torch; keep `import common.block_hash` light for the router.
     if name == "LLM":
         from engine.llm import LLM
 

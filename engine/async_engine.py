@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.client import GenerateRequest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import LoadStats, RequestOutput
+from engine.outputs import EngineStats, LoadStats, RequestOutput
 from engine.request import RemoteKV
 from engine.sampling_params import SamplingParams
 from kv_store.base import KVConnector, KvLayout
@@ -35,12 +36,6 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Add:
-    request_id: str
-    kwargs: dict[str, Any]
-
-
-@dataclass(slots=True)
 class _Abort:
     request_id: str
 
@@ -48,7 +43,7 @@ class _Abort:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.engine = LLMEngine(config, connector)
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[GenerateRequest | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,7 +88,7 @@ class AsyncLLMEngine:
         if self.engine.connector is not None:
             self.engine.connector.close()
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -104,23 +99,24 @@ class AsyncLLMEngine:
         save_kv: bool = False,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        """``submit`` with the request's fields spelled out."""
+        return self.submit(
+            GenerateRequest(
+                request_id, prompt_token_ids, params, output_token_ids, remote_kv, save_kv, priority
+            )
+        )
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream output deltas until the request finishes. Raises ValueError for bad
         input. Leaving the loop early (cancel, disconnect) aborts the request."""
+        request_id = request.request_id
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        kwargs = dict(
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            output_token_ids=output_token_ids,
-            remote_kv=remote_kv,
-            save_kv=save_kv,
-            priority=priority,
-        )
-        self._send(_Add(request_id, kwargs))
+        self._send(request)
         finished = False
         try:
             while True:
@@ -146,7 +142,11 @@ class AsyncLLMEngine:
         """Load as of the last engine step (safe to call from any thread)."""
         return self._load
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def stats(self) -> EngineStats:
+        """Load as of the last engine step, with the counters read now (any thread)."""
+        return self.engine.stats(self._load)
+
+    def _send(self, command: GenerateRequest | _Abort) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -181,9 +181,9 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, GenerateRequest):
                 try:
-                    self.engine.add_request(cmd.request_id, **cmd.kwargs)
+                    self.engine.add(cmd)
                 except (ValueError, TypeError) as exc:
                     self._deliver(cmd.request_id, exc)
             else:

@@ -58,10 +58,7 @@ def can_defer(scheduled: list[ScheduledRequest]) -> bool:
 
 def _finishes_by_length(request: Request, max_model_len: int) -> bool:
     """The in-flight token is certainly the request's last (max_tokens or model length)."""
-    return (
-        len(request.output_token_ids) + 1 >= request.params.max_tokens
-        or request.num_tokens + 1 >= max_model_len
-    )
+    return request.tokens_left(max_model_len) <= 1
 
 
 def next_rows(

@@ -56,7 +56,7 @@ class EngineConfig:
         if not os.path.isdir(self.model):
             raise ValueError(
                 f"model: {self.model!r} is not a directory; give a local Hugging Face model "
-                "directory (or resolve 'smollm2' with pdserve.models.resolve_model first)"
+                "directory (or resolve 'smollm2' with common.models.resolve_model first)"
             )
         if self.load_format == "auto" and not _has_weights(self.model):
             raise ValueError(

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import KvSaveResult
 from engine.request import Request, RequestStatus

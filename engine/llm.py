@@ -10,6 +10,9 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 
+# What one prompt may be (vLLM's forms): text, token ids, or a TextPrompt/TokensPrompt dict.
+PromptInput = str | list[int] | dict[str, Any]
+
 
 class LLM:
     """Runs the engine in-process until every prompt finishes.
@@ -19,7 +22,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        from pdserve.models import resolve_model
+        from common.models import resolve_model
 
         self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **engine_kwargs))
         self._next_id = 0
@@ -30,12 +33,24 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[list[int]] | str,
+        prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        """Generate for every prompt; results in prompt order.
+
+        A prompt is text, a list of token ids, or one of vLLM's prompt dicts
+        (``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``). One prompt may be passed
+        alone. Anything else raises ``ValueError`` before any request starts.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
+        token_lists = [self._tokenize(prompt) for prompt in prompts]
         params_list = (
             list(params)
             if isinstance(params, Sequence)
@@ -45,8 +60,7 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = [self._next_request_id() for _ in prompts]
         results: dict[str, CompletionOutput] = {}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            token_ids = self._tokenize(prompt)  # type: ignore[arg-type]
+        for rid, token_ids, p in zip(ids, token_lists, params_list):
             self.engine.add_request(rid, token_ids, p)
             results[rid] = CompletionOutput(
                 token_ids, [], "", None, [] if p.logprobs is not None else None
@@ -62,12 +76,28 @@ class LLM:
                     res.finish_reason = out.finish_reason
         return [results[r] for r in ids]
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: object) -> list[int]:
+        """Token ids of one prompt; ``ValueError`` for a shape that is not a prompt."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError(
+                    'a prompt dict holds exactly one of "prompt" or "prompt_token_ids", '
+                    f"got keys {sorted(prompt)}"
+                )
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
             return list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
-        return list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError(
+            "a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+            f"'prompt_token_ids'; got {type(prompt).__name__}"
+        )
 
     def _next_request_id(self) -> str:
         self._next_id += 1

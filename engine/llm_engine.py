@@ -9,26 +9,27 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import time
 
 import torch
 
 from engine.async_scheduling import StepPipeline, can_defer
+from engine.client import GenerateRequest
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.detokenizer import load_tokenizer
 from engine.fingerprint import model_fingerprint
 from engine.guided.manager import GuidedDecoding
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfers import KVTransferCoordinator, LoadOutcome
 from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
-from engine.outputs import KvSaveResult, LoadStats, RequestOutput, TokenLogprob
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, KvSaveResult, LoadStats, RequestOutput, TokenLogprob
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.sampler import SampledToken, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.spec_decode.decoder import SpecDecoder, SpecDecodeStats
+from engine.spec_decode.decoder import SpecDecoder
 from kv_store.base import KVConnector, KvLayout
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class LLMEngine:
             self.kv.pool.num_usable_blocks,
             connector is not None,
         )
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.guided, self.max_model_len)
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
         self.pipeline = (
@@ -107,7 +108,18 @@ class LLMEngine:
         save_kv: bool = False,
         priority: int = 0,
     ) -> None:
+        """``add`` with the request's fields spelled out."""
+        self.add(
+            GenerateRequest(
+                request_id, prompt_token_ids, params, output_token_ids, remote_kv, save_kv, priority
+            )
+        )
+
+    def add(self, new: GenerateRequest) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
+        request_id, prompt_token_ids, params = new.request_id, new.prompt_token_ids, new.params
+        output_token_ids, remote_kv, save_kv = new.output_token_ids, new.remote_kv, new.save_kv
+        priority = new.priority
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.limits.check(prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv)
@@ -127,9 +139,7 @@ class LLMEngine:
         )
         if params.guided is not None:
             self.guided.submit(request)  # ValueError for a bad guide; compiles in the background
-        self._detok[request_id] = IncrementalDetokenizer.start(
-            self.tokenizer, params.stop, params.skip_special_tokens, request.output_token_ids
-        )
+        self.outputs.start(request)
         if params.guided is not None:
             self.scheduler.requests[request_id] = request  # routed once its grammar is ready
         else:
@@ -152,9 +162,9 @@ class LLMEngine:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         else:
             request.status = RequestStatus.FINISHED_ABORTED
-        self._detok.pop(request_id, None)
+        self.outputs.release(request_id)
         self._release_extras(request_id)
-        self._pending.append(self._output(request, [], "", finished=True))
+        self._pending.append(self.outputs.output(request, [], "", finished=True))
         return True
 
     def has_unfinished(self) -> bool:
@@ -204,7 +214,7 @@ class LLMEngine:
 
     def _sampled_output(self, request: Request, tok: SampledToken) -> RequestOutput:
         """Append one sampled token to its request and say so (text, logprob, finish)."""
-        text, status = self._accept_token(request, tok.token_id)
+        text, status = self.outputs.accept_token(request, tok.token_id)
         logprobs = [tok.logprob] if tok.logprob is not None else None
         return self._token_output(request, [tok.token_id], text, logprobs, status)
 
@@ -216,8 +226,8 @@ class LLMEngine:
         outputs = []
         for failure in failed:
             self.scheduler.finish(failure.request, RequestStatus.FINISHED_ABORTED)
-            self._detok.pop(failure.request.request_id, None)
-            out = self._output(failure.request, [], "", finished=True)
+            self.outputs.release(failure.request.request_id)
+            out = self.outputs.output(failure.request, [], "", finished=True)
             out.error = failure.error
             outputs.append(out)
         return outputs
@@ -241,9 +251,9 @@ class LLMEngine:
         request.kv_blocks_recomputed = outcome.blocks_recomputed
         if not outcome.ok:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            self._detok.pop(request.request_id, None)
+            self.outputs.release(request.request_id)
             self._release_extras(request.request_id)
-            out = self._output(request, [], "", finished=True)
+            out = self.outputs.output(request, [], "", finished=True)
             out.error = outcome.error
             return [out]
         self.scheduler.make_ready(request)
@@ -252,7 +262,7 @@ class LLMEngine:
     def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
         self.kv.free(request)
         self.scheduler.requests.pop(request.request_id, None)
-        out = self._output(request, [], "", finished=True)
+        out = self.outputs.output(request, [], "", finished=True)
         out.kv_saved = saved
         return out
 
@@ -281,18 +291,6 @@ class LLMEngine:
             outputs.append(self._verify(s, verify_rows))
         return outputs
 
-    def _accept_token(self, request: Request, token: int) -> tuple[str, RequestStatus | None]:
-        """Append one sampled token; returns its text and the finish status it causes."""
-        request.append_output_token(token)
-        finished_status = self._check_stop(request, token)
-        if self.guided.accept(request.request_id, [token]) and finished_status is None:
-            finished_status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        detok = self._detok[request.request_id]
-        text = detok.add([token], finished_status is not None)
-        if finished_status is None and detok.stopped:
-            finished_status = RequestStatus.FINISHED_STOPPED
-        return text, finished_status
-
     def _verify(self, s: ScheduledRequest, rows: torch.Tensor) -> RequestOutput:
         """Speculative step of one request: accept a prefix of its drafts plus one token."""
         assert self.spec is not None
@@ -301,7 +299,7 @@ class LLMEngine:
         status: list[RequestStatus | None] = [None]
 
         def emit(token: int, logprob: TokenLogprob | None) -> bool:
-            text, status[0] = self._accept_token(request, token)
+            text, status[0] = self.outputs.accept_token(request, token)
             tokens.append(token)
             texts.append(text)
             if logprob is not None:
@@ -323,28 +321,14 @@ class LLMEngine:
     ) -> RequestOutput:
         if finished_status is not None:
             self._finish(request, finished_status)
-        out = self._output(
+        out = self.outputs.output(
             request, tokens, text, finished=finished_status is not None and not request.save_kv
         )
         out.logprobs = logprobs
         return out
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        p = request.params
-        if not p.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            len(request.output_token_ids) >= p.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self._detok.pop(request.request_id, None)
+        self.outputs.release(request.request_id)
         self._release_extras(request.request_id)
         if request.save_kv and self.transfers is not None:
             self.scheduler.finish(request, status, keep_blocks=True)
@@ -358,24 +342,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release(request_id)
 
-    def _output(
-        self, request: Request, tokens: list[int], text: str, *, finished: bool
-    ) -> RequestOutput:
-        queued = (request.first_scheduled_time or time.monotonic()) - request.arrival_time
-        return RequestOutput(
-            request.request_id,
-            tokens,
-            text,
-            finished,
-            finish_reason=request.status.finish_reason if request.is_finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            kv_load_seconds=request.kv_load_seconds,
-            kv_blocks_loaded=request.kv_blocks_loaded,
-            kv_blocks_recomputed=request.kv_blocks_recomputed,
-            queue_seconds=queued,
-        )
-
     def get_load(self) -> LoadStats:
         return LoadStats(
             waiting=len(self.scheduler.waiting)
@@ -388,7 +354,19 @@ class LLMEngine:
             waiting_for_remote_kv=self.transfers.num_waiting_for_kv() if self.transfers else 0,
         )
 
-    @property
-    def spec_stats(self) -> SpecDecodeStats | None:
-        """Speculative-decoding counters (drafted, accepted, rounds), None when off."""
-        return self.spec.stats if self.spec is not None else None
+    def stats(self, load: LoadStats | None = None) -> EngineStats:
+        """Load (``load`` if given, else now), connector counters, KV fallbacks and
+        speculative counters, as one snapshot."""
+        transfers = self.transfers.stats if self.transfers is not None else None
+        return EngineStats(
+            load or self.get_load(),
+            self.connector.name if self.connector is not None else None,
+            self.connector.stats() if self.connector is not None else None,
+            dict(transfers.load_fallbacks) if transfers else {},
+            transfers.blocks_recomputed if transfers else 0,
+            self.spec.stats if self.spec is not None else None,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (benchmarks measure cold prefills with this)."""
+        self.kv.pool.reset_prefix_cache()

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.spec_decode.decoder import SpecDecodeStats
+    from kv_store.stats import ConnectorStats
 
 
 @dataclass(slots=True)
@@ -66,3 +71,17 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine for the service metrics (``LLMEngine.stats()``): its load,
+    its connector's counters, remote-KV fallbacks and speculative-decoding counters. Taken
+    between steps; the readers never reach into the engine's parts."""
+
+    load: LoadStats
+    connector_name: str | None = None
+    connector: ConnectorStats | None = None
+    kv_load_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> loads
+    kv_blocks_recomputed: int = 0
+    spec: SpecDecodeStats | None = None

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_hash import ROOT_PARENT, hash_block_tokens
+from common.block_hash import ROOT_PARENT, hash_block_tokens
 from engine.sampling_params import SamplingParams
 
 
@@ -108,6 +108,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """How many more tokens this request may produce: the one rule for "length", the
+        smaller of what ``max_tokens`` and the model's length still allow."""
+        return min(
+            self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens
+        )
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,4 +1,4 @@
-"""The KV connector interface (DESIGN §3), split like vLLM's.
+"""The KV connector interface (docs/design.md §3), split like vLLM's.
 
 Scheduler side: ``lookup`` — side-effect free, how many leading blocks the store holds.
 Worker side: ``start_save`` / ``start_load`` move blocks between the paged cache and the
@@ -16,6 +16,8 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from kv_store.stats import ConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +54,8 @@ class KVTransfer:
 
     ``block_hashes[i]`` / ``block_ids[i]`` / ``block_num_tokens[i]`` describe block ``i`` of
     the request (the last one may be partial). Only blocks ``start_block..`` are moved.
+    A load from a peer (p2p) also names where the blocks are held: ``source_address``
+    (host:port of the prefill instance) and ``transfer_id`` (its lease).
     """
 
     request_id: str
@@ -60,15 +64,23 @@ class KVTransfer:
     block_ids: list[int]
     block_num_tokens: list[int]
     start_block: int = 0
+    source_address: str = ""
+    transfer_id: str = ""
 
 
 @dataclass(slots=True)
 class TransferResult:
     """A finished save or load. For a load, ``num_loaded_blocks`` counts the leading blocks
-    (from ``start_block``) that arrived intact; the engine recomputes the rest."""
+    (from ``start_block``) that arrived intact; the engine recomputes the rest.
+
+    A save with ``held=True`` is committed but not copied: the connector holds the blocks
+    for a peer to pull under ``transfer_id`` at ``source_address``, and the engine keeps
+    them allocated until a later result of kind ``"release"`` (pulled, or the hold ended:
+    ``failure_reason`` expired | aborted | closed) for the same request.
+    """
 
     request_id: str
-    kind: str  # "save" | "load"
+    kind: str  # "save" | "load" | "release"
     ok: bool
     num_loaded_blocks: int = 0
     num_saved_blocks: int = 0  # for a save: blocks actually written (the rest were present)
@@ -77,6 +89,9 @@ class TransferResult:
     seconds: float = 0.0
     error: str | None = None
     failure_reason: str | None = None  # "missing" | "checksum" | "unreachable" | ...
+    held: bool = False
+    transfer_id: str = ""
+    source_address: str = ""
 
 
 class StorageBackend(abc.ABC):
@@ -101,9 +116,18 @@ class StorageBackend(abc.ABC):
 
 
 class KVConnector(abc.ABC):
-    """Moves prompt KV between an engine's paged cache and a shared store."""
+    """Moves prompt KV between an engine's paged cache and a shared store.
+
+    ``counters`` is updated by the connector's workers; readers (the service metrics) take
+    ``stats()``, a consistent snapshot, and never reach into the connector otherwise.
+    """
 
     name: str = "base"
+    counters: ConnectorStats
+
+    def stats(self) -> ConnectorStats:
+        """A consistent snapshot of the transfer counters (exported as ``pdserve_kv_*``)."""
+        return self.counters.snapshot()
 
     @abc.abstractmethod
     def bind_kv_cache(
@@ -130,6 +154,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> list[TransferResult]:
         """Finished transfers since the last call (non-blocking)."""
+
+    def release_held(self, request_id: str) -> bool:
+        """End the hold of a save reported ``held`` (the request was aborted); its
+        ``"release"`` result follows. False when the request holds nothing."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop worker threads and release the store."""

@@ -118,12 +118,12 @@ class BlockStoreConnector(AsyncConnectorBase):
             return 0
         if not self._fingerprint:
             raise RuntimeError("BlockStoreConnector: bind_kv_cache() must be called first")
-        self.stats.record_lookup()
+        self.counters.record_lookup()
         try:
             present = self.backend.exists(block_keys(self._fingerprint, block_hashes))
         except KVStoreError as e:
             logger.warning("KV lookup failed, treating as a miss: %s", e)
-            self.stats.record_failure("unreachable")
+            self.counters.record_failure("unreachable")
             return 0
         for i, ok in enumerate(present):
             if not ok:
@@ -158,7 +158,7 @@ class BlockStoreConnector(AsyncConnectorBase):
             res.ok, res.error, res.failure_reason = False, str(e), "unreachable"
         except (TransferDeadline, FutureTimeout):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
-        self.stats.record_save(res.num_saved_blocks, res.bytes_moved, skipped)
+        self.counters.record_save(res.num_saved_blocks, res.bytes_moved, skipped)
         return res
 
     def _save_batch(self, t: KVTransfer, batch: list[tuple[int, str]], deadline: Deadline) -> int:
@@ -230,7 +230,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         finally:
             for fut in futures:
                 fut.cancel()
-        self.stats.record_load(res.num_loaded_blocks, res.bytes_moved)
+        self.counters.record_load(res.num_loaded_blocks, res.bytes_moved)
         return res
 
     def _load_batch(

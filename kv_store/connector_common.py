@@ -47,7 +47,7 @@ class AsyncConnectorBase(KVConnector):
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {transfer_timeout_s}")
         self.transfer_timeout_s = transfer_timeout_s
-        self.stats = ConnectorStats()
+        self.counters = ConnectorStats()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kv-{self.name}")
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._kv: torch.Tensor | None = None
@@ -124,9 +124,9 @@ class AsyncConnectorBase(KVConnector):
                 t.request_id, kind, False, error=repr(e), failure_reason="error"
             )
         result.seconds = time.perf_counter() - start
-        self.stats.record_seconds(kind, result.seconds)
+        self.counters.record_seconds(kind, result.seconds)
         if result.failure_reason:
-            self.stats.record_failure(result.failure_reason)
+            self.counters.record_failure(result.failure_reason)
         self._results.put(result)
 
     def poll(self) -> list[TransferResult]:

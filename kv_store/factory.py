@@ -1,4 +1,4 @@
-"""Connector selection from flags and ``PDSERVE_*`` environment variables (DESIGN §3).
+"""Connector selection from flags and ``PDSERVE_*`` environment variables (docs/design.md §3).
 
 | flag            | env                   | meaning                                        |
 |-----------------|-----------------------|------------------------------------------------|
@@ -7,8 +7,8 @@
 | --redis-url     | PDSERVE_REDIS_URL     | redis: redis://host:port[/db]                  |
 | --lmcache-url   | PDSERVE_LMCACHE_URL   | lmcache: lm://host:port or redis://host:port   |
 | --kv-ttl        | PDSERVE_KV_TTL        | seconds a block lives (0 = forever)            |
-| --kv-capacity   | PDSERVE_KV_CAPACITY   | byte bound, e.g. 10GiB (fs store; LMCache's    |
-|                 |                       | local CPU buffer); 0 = unbounded               |
+| --kv-capacity   | PDSERVE_KV_CAPACITY   | byte bound, e.g. 10GiB (common.sizes; fs store;|
+|                 |                       | LMCache's CPU buffer); 0 = unbounded           |
 | --kv-key-prefix | PDSERVE_KV_KEY_PREFIX | namespace before every key (Redis; fs path)    |
 """
 
@@ -16,38 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.sizes import parse_bytes
 from kv_store.base import KVConnector
+
+__all__ = ["parse_bytes"]  # re-exported: the byte-size rule of --kv-capacity
 
 CONNECTORS = ("fs", "redis", "lmcache", "none")
 DEFAULT_TTL_S = 3600.0
 DEFAULT_CAPACITY = 10 * 1024**3
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_IUNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"10GiB"``, ``"512M"``, ``"1e9"``, ``1000`` → bytes. ``ValueError`` on junk or < 0."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?i?)[bB]?\s*", text)
-        if not m:
-            raise ValueError(f"invalid byte size {text!r} (examples: 1073741824, 512MiB, 10G)")
-        unit = m.group(2).lower()
-        mult = _IUNITS.get(unit) or _UNITS.get(unit)
-        try:
-            value = int(float(m.group(1)) * (mult or 1))
-        except ValueError:
-            raise ValueError(f"invalid byte size {text!r}") from None
-        if mult is None:
-            raise ValueError(f"invalid byte-size unit in {text!r}")
-    if value < 0:
-        raise ValueError(f"byte size must be >= 0, got {text!r}")
-    return value
 
 
 def _parse_ttl(text: str | float) -> float:

@@ -1,4 +1,4 @@
-"""Directory-backed block store (DESIGN §3 ``fs``): local disk, NFS or a Kubernetes volume.
+"""Directory-backed block store (docs/design.md §3 ``fs``): local disk, NFS or a Kubernetes volume.
 
 - Atomic writes: each value goes to a uniquely named temp file in the target directory and
   is ``os.replace``d into place, so a reader sees the old value, the new one, or nothing —

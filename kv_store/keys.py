@@ -1,4 +1,4 @@
-"""Store keys for KV blocks (DESIGN §3): ``pdserve/{model_fingerprint}/{block_hash_hex}``.
+"""Store keys for KV blocks (docs/design.md §3): ``pdserve/{model_fingerprint}/{block_hash_hex}``.
 
 The fingerprint covers the model, dtype, block size and layout version, so two engines
 share a key only when they would produce the same bytes for it.

@@ -207,7 +207,7 @@ class LMCacheConnector(AsyncConnectorBase):
         total = min(len(token_ids), len(block_hashes) * layout.block_size)
         if total == 0:
             return 0
-        self.stats.record_lookup()
+        self.counters.record_lookup()
         try:
             held = int(
                 self._call(
@@ -216,7 +216,7 @@ class LMCacheConnector(AsyncConnectorBase):
             )
         except Exception as e:
             logger.warning("LMCache lookup failed, treating as a miss: %s", e)
-            self.stats.record_failure("unreachable")
+            self.counters.record_failure("unreachable")
             return 0
         return len(block_hashes) if held >= total else held // layout.block_size
 
@@ -256,7 +256,7 @@ class LMCacheConnector(AsyncConnectorBase):
                 res.bytes_moved = (total - skip) * self._token_bytes()
             written = (len(t.block_hashes) - skip // bs) if skip < total else 0
             res.num_saved_blocks = written
-            self.stats.record_save(
+            self.counters.record_save(
                 written, res.bytes_moved, len(t.block_hashes) - t.start_block - written
             )
         except _PartialStore as e:
@@ -330,7 +330,7 @@ class LMCacheConnector(AsyncConnectorBase):
             res.ok = False
             res.failure_reason = "unreachable" if self._unreachable() else "missing"
             res.error = f"LMCache returned {loaded} of {len(t.block_hashes) - t.start_block} blocks"
-        self.stats.record_load(loaded, res.bytes_moved)
+        self.counters.record_load(loaded, res.bytes_moved)
         return res
 
     def close(self) -> None:

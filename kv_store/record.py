@@ -1,4 +1,4 @@
-"""The KV block record codec (DESIGN §3).
+"""The KV block record codec (docs/design.md §3).
 
 A record is a fixed 48-byte little-endian header followed by the raw tensor bytes of one
 block, ``[layers, 2, block_tokens, kv_heads, head_dim]`` in C order::

@@ -1,4 +1,4 @@
-"""Redis block store (DESIGN §3 ``redis``): redis-py with a connection pool.
+"""Redis block store (docs/design.md §3 ``redis``): redis-py with a connection pool.
 
 Batches go out as one pipelined round trip (``MGET`` for reads, ``SET … EX`` for writes).
 The connector's fast paths skip the copies redis-py would make of multi-MiB values while

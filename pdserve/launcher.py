@@ -27,6 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.flags import add_env_argument, fair_thread_share, non_negative_int, positive_int
+from engine_service.settings import (
+    SPECULATIVE_HELP,
+    add_forwarded_engine_arguments,
+    forward_engine_flags,
+)
 from pdserve.procs import (
     Child,
     Interrupted,
@@ -36,14 +42,6 @@ from pdserve.procs import (
     grpc_probe,
     http_probe,
     tcp_probe,
-)
-from pdserve.settings import (
-    SPECULATIVE_HELP,
-    add_env_argument,
-    fair_thread_share,
-    memory_size,
-    non_negative_int,
-    positive_int,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,18 +106,7 @@ def _require_tool(name: str, hint: str) -> str:
 def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
     """Flags every engine service gets (the GPU share is added per engine)."""
     flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
-    for flag, value in (
-        ("--max-num-seqs", args.max_num_seqs),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--kv-cache-memory", args.kv_cache_memory),
-        ("--load-format", args.load_format),
-        ("--dtype", args.dtype),
-        ("--attention-backend", args.attention_backend),
-        ("--max-model-len", args.max_model_len),
-    ):
-        if value is not None:
-            flags += [flag, str(value)]
-    return flags
+    return flags + forward_engine_flags(args)
 
 
 def gpu_ids(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str] | None:
@@ -246,7 +233,7 @@ def run_up(args: argparse.Namespace) -> int:
         _check_counts(args)
         gpu_ids(args)  # misuse of --gpus / --gpu-ids fails before anything starts
         _check_port_free(args.host, args.port)
-        from pdserve.models import resolve_model
+        from common.models import resolve_model
 
         model_dir = resolve_model(args.model)  # a known model is pulled once; Ctrl-C stops it
     except (LaunchError, ValueError) as exc:
@@ -328,15 +315,8 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--host", {"default": "127.0.0.1", "help": "router listen address"}),
     ("--port", {"type": positive_int, "default": 8000, "help": "router port"}),
     ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
-    ("--max-num-seqs", {"type": positive_int, "help": "per engine"}),
-    ("--max-num-batched-tokens", {"type": positive_int, "help": "per engine"}),
-    ("--kv-cache-memory", {"type": memory_size, "help": "KV cache per engine, e.g. 512M"}),
     ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),
     ("--gpu-ids", {"help": "spread engines round-robin over these GPUs, e.g. 0,1"}),
-    ("--load-format", {"choices": ["auto", "dummy"], "help": "dummy = random weights"}),
-    ("--dtype", {"choices": ["auto", "float32", "bfloat16", "float16"], "help": "per engine"}),
-    ("--attention-backend", {"help": "per engine, e.g. triton (engine default if unset)"}),
-    ("--max-model-len", {"type": positive_int, "help": "per engine and router"}),
     ("--speculative", {"help": SPECULATIVE_HELP + " (decode instances only)"}),
     (
         "--torch-threads",
@@ -361,4 +341,5 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     for flag, options in _UP_FLAGS:
         add_env_argument(parser, flag, **options)
+    add_forwarded_engine_arguments(parser)
     parser.set_defaults(func=run_up)

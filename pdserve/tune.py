@@ -135,7 +135,7 @@ def _default_tokenizer(model: str) -> str:
     """The model's own directory: a path as given, or a known name resolved (pulled)."""
     if os.path.isdir(model):
         return model
-    from pdserve.models import resolve_model  # may pull the model on first use
+    from common.models import resolve_model  # may pull the model on first use
 
     return resolve_model(model)
 

@@ -1,4 +1,4 @@
-"""``PrefillService``: the engine as KV producer (DESIGN §1 steps 3–4).
+"""``PrefillService``: the engine as KV producer (docs/design.md §1 steps 3–4).
 
 ``Prefill`` runs the prompt with ``max_tokens=1`` and ``save_kv=True``. Its stream carries
 two events: ``first_token`` the moment the token is sampled (TTFT never waits for the KV
@@ -15,17 +15,18 @@ from typing import Any
 
 import grpc.aio
 
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from prefill_service.base import EngineServiceCore
-from prefill_service.convert import (
+from engine.client import GenerateRequest
+from engine_service.convert import (
     kv_handle_fields,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
     token_ids,
 )
-from prefill_service.errors import ServiceUnavailable
+from engine_service.core import EngineServiceCore
+from engine_service.errors import ServiceUnavailable
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -47,9 +48,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first_at: float | None = None
         last: Any = None
         committed = False
-        async for out in core.run(
-            request_id, prompt, params, save_kv=True, priority=request.priority
-        ):
+        new = GenerateRequest(request_id, prompt, params, save_kv=True, priority=request.priority)
+        async for out in core.run(new):
             last = out
             if out.new_token_ids and first_at is None:
                 first_at = time.monotonic()

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from pdserve.settings import add_env_argument, non_negative_int, positive_int
+from common.flags import add_env_argument, non_negative_int, positive_int
 from router.discovery import (
     DnsDiscovery,
     EndpointSliceDiscovery,
@@ -230,7 +230,7 @@ def make_discovery(args: argparse.Namespace, role: str) -> InstanceDiscovery:
 
 def build_app(args: argparse.Namespace) -> Any:
     """The app as ``pdserve router`` runs it (tests may call this too)."""
-    from pdserve.models import resolve_model  # light, but only needed here
+    from common.models import resolve_model  # light, but only needed here
     from router.app import create_app
 
     settings = settings_from_args(args)

@@ -1,4 +1,4 @@
-"""The decode leg (DESIGN §1 steps 5–7): one ``Decode`` stream per choice, with failover.
+"""The decode leg (docs/design.md §1 steps 5–7): one ``Decode`` stream per choice, with failover.
 
 When the decode instance is lost mid-stream (stream error, or the stream ends without its
 final chunk) the choice resumes on another instance with the prompt and every token

@@ -1,4 +1,4 @@
-"""Where the router finds its prefill and decode instances (DESIGN §5).
+"""Where the router finds its prefill and decode instances (docs/design.md §5).
 
 One small interface, three sources:
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kube_client import make_api_client
+from common.kube_client import make_api_client
 from router.discovery_base import ChangeCallback, InstanceDiscovery, format_hostport
 
 logger = logging.getLogger(__name__)

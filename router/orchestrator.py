@@ -1,4 +1,4 @@
-"""Run one request across the pools (DESIGN §1): choose the placement, then stream deltas.
+"""Run one request across the pools (docs/design.md §1): choose the placement, then stream deltas.
 
 ``disaggregated``: Prefill on a prefill instance → the first token goes to the client at
 once → Decode (prompt + first token + KvHandle) on a decode instance. With ``n`` > 1 the one

@@ -1,4 +1,4 @@
-"""Routing policies (DESIGN §5): pick one instance of a pool for a request.
+"""Routing policies (docs/design.md §5): pick one instance of a pool for a request.
 
 A policy sees only healthy candidates (the pool filters) and never mutates them. Each pool
 (prefill, decode) gets its own policy object, chosen by ``--prefill-policy`` /

@@ -1,4 +1,4 @@
-"""The prefill leg (DESIGN §1 steps 2–4): ``Prefill`` on a policy-chosen instance with a
+"""The prefill leg (docs/design.md §1 steps 2–4): ``Prefill`` on a policy-chosen instance with a
 deadline; a failed or timed-out call is retried on another instance (bounded).
 
 :func:`prefill_events` yields the first token once, then the committed ``KvHandle`` — or

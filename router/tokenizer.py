@@ -21,7 +21,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.models import pull_model
+from common.models import pull_model
 
 SMOLLM2_VOCAB = 49152
 BOS_ID, EOS_ID = 1, 2

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 # Small engines: few sequences, a small KV pool, one thread.
-SMALL_ENGINE_ARGS = ("--max-num-seqs", "8", "--kv-cache-memory", "32M", "--torch-threads", "1")
+SMALL_ENGINE_ARGS = ("--max-num-seqs", "8", "--kv-cache-memory", "32Mi", "--torch-threads", "1")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

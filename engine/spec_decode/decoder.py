@@ -74,8 +74,7 @@ class SpecDecoder:
 
     def _max_drafts(self, request: Request) -> int:
         # The last allowed token (max_tokens or max_model_len) is always the verified extra one.
-        left = request.params.max_tokens - len(request.output_token_ids) - 1
-        return max(0, min(self.spec.k, left, self.max_model_len - request.num_tokens - 1))
+        return max(0, min(self.spec.k, request.tokens_left(self.max_model_len) - 1))
 
     def propose(self, running: list[Request]) -> None:
         """Set ``spec_token_ids`` on every running request (empty when not drafting)."""

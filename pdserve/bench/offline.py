@@ -106,10 +106,10 @@ def random_prompts(
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """An LLMEngine from the shared flags (``--model`` resolved via pdserve.models)."""
+    """An LLMEngine from the shared flags (``--model`` resolved via common.models)."""
+    from common.models import resolve_model
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from pdserve.models import resolve_model
 
     kwargs: dict[str, Any] = dict(
         model=resolve_model(args.model),
@@ -190,7 +190,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     # that is not what a latency run measures, so forget cached blocks between iterations.
     latencies, step_times = [], []
     for i in range(args.num_iters):
-        engine.kv.pool.reset_prefix_cache()
+        engine.reset_prefix_cache()
         r = run_batch(engine, prompts, args.output_len, tag=f"iter{i}")
         latencies.append(r.elapsed_s)
         step_times.append(r.steps.mean_ms)

@@ -150,7 +150,7 @@ def test_service_speculative_flag_and_env_reach_engine_config(
 ) -> None:
     from decode_service.server import add_arguments
     from engine.config import EngineConfig
-    from pdserve.settings import engine_config_from_args
+    from engine_service.settings import engine_config_from_args
 
     def config(argv: list[str]) -> EngineConfig:
         parser = argparse.ArgumentParser()

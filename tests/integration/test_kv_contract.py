@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
 from kv_store.record import torch_dtype
 from tests.servers import ManagedServer
@@ -106,7 +106,7 @@ def case_roundtrip(t: Target, dtype: str = "float32") -> None:
     a.start_save(transfer("r1", tokens, [5, 2, 7]))
     r = one(a)
     assert r.ok and r.kind == "save" and len(r.keys) == 3, r
-    assert a.stats.blocks_saved == 3
+    assert a.stats().blocks_saved == 3
     dst = torch.zeros_like(src)
     b = t.connector(dst, lay)
     assert b.lookup(tokens, transfer("q", tokens, [0, 1, 3]).block_hashes) == 3
@@ -117,7 +117,7 @@ def case_roundtrip(t: Target, dtype: str = "float32") -> None:
     assert torch.equal(dst[:, :, 3, :8], src[:, :, 7, :8])
     assert not dst[:, :, 3, 8:].any(), "a partial load must not write past the block's tokens"
     assert not dst[:, :, [2, 4, 5, 6, 7, 8, 9]].any(), "only the target blocks may change"
-    assert b.stats.blocks_loaded == 3
+    assert b.stats().blocks_loaded == 3
 
 
 def case_roundtrip_bf16(t: Target) -> None:
@@ -153,12 +153,12 @@ def case_dedup(t: Target) -> None:
     a.start_save(transfer("r", tokens, [0, 1, 2]))
     second = one(a)
     assert second.ok and second.bytes_moved == 0 and len(second.keys) == 3, second
-    assert a.stats.blocks_saved == 3 and a.stats.blocks_skipped == 3
+    assert a.stats().blocks_saved == 3 and a.stats().blocks_skipped == 3
     longer = tokens + prompt(5, BS)
     a.start_save(transfer("r2", longer, [0, 1, 2, 3]))
     third = one(a)
     assert third.ok and 0 < third.bytes_moved < first.bytes_moved, (third, first)
-    assert a.stats.blocks_saved == 4
+    assert a.stats().blocks_saved == 4
 
 
 def case_start_block(t: Target) -> None:

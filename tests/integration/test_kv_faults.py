@@ -65,7 +65,7 @@ def test_flipped_byte_reports_checksum_and_keeps_leading_blocks(
         assert torch.equal(dst[:, :, 4], src[:, :, 0]) and torch.equal(dst[:, :, 5], src[:, :, 1])
         # Blocks past the leading intact ones are not reported loaded; the engine recomputes
         # them, so what the fs fast path (readv straight into the cache) left there is moot.
-        assert b.stats.failures == {"checksum": 1}
+        assert b.stats().failures == {"checksum": 1}
     finally:
         t.close()
 
@@ -137,7 +137,7 @@ def test_redis_stopped_mid_run_fails_fast_then_recovers(
         assert len(results) == 2, results
         assert all(not r.ok and r.failure_reason == "unreachable" for r in results), results
         assert a.lookup(tokens, tr.block_hashes) == 0
-        assert a.stats.failures["unreachable"] >= 3
+        assert a.stats().failures["unreachable"] >= 3
         redis_proc.start()  # same port, empty store
         a.start_save(tr)
         assert one(a).ok

@@ -17,7 +17,7 @@ from pdserve.procs import free_ports
 from tests.service_fixtures import REPO, child_env
 
 READY_TIMEOUT_S = 300.0
-SMALL = ("--kv-cache-memory", "32M", "--max-num-seqs", "8", "--torch-threads", "1")
+SMALL = ("--kv-cache-memory", "32Mi", "--max-num-seqs", "8", "--torch-threads", "1")
 
 
 def descendants(pid: int) -> set[int]:

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from common.flags import env_name, fair_thread_share, memory_size
 from pdserve import components, launcher
-from pdserve.settings import env_name, fair_thread_share, memory_size
 
 
 def parse(
@@ -104,7 +104,9 @@ def test_fair_thread_share() -> None:
 
 
 def test_memory_size() -> None:
-    assert memory_size("512M") == 512 << 20
+    # One rule for every size flag (common/sizes.py): Kubernetes quantities.
+    assert memory_size("512Mi") == 512 << 20
+    assert memory_size("512M") == 512 * 10**6
     assert memory_size("2GiB") == 2 << 30
     assert memory_size("auto") is None
     with pytest.raises(argparse.ArgumentTypeError):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ def test_ngram_greedy_identical(tiny_model_dir: Path, label: str, overrides: dic
     engine = LLMEngine(EngineConfig(**base_cfg, speculative="ngram:k=4,n=3"))
     got = _run(engine, prompts, _greedy(len(prompts)))
     assert got == expected, label
-    stats = engine.spec_stats
+    stats = engine.stats().spec
     assert stats is not None and stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     if label != "tiny_pool_preemption":  # decode steps there may drop drafts to fit the pool
         assert engine.num_steps < len(prompts) * MAX_NEW
@@ -109,7 +109,7 @@ def test_draft_model_greedy_identical(
     expected = _run(LLMEngine(EngineConfig(**cfg)), prompts, _greedy(len(prompts)))
     engine = LLMEngine(EngineConfig(**cfg, speculative=f"draft:model={draft_dir},k=3"))
     assert _run(engine, prompts, _greedy(len(prompts))) == expected
-    stats = engine.spec_stats
+    stats = engine.stats().spec
     assert stats is not None and stats.num_draft_tokens > 0
     if draft == "self":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
@@ -127,7 +127,7 @@ def test_prefix_cache_holds_only_accepted_tokens(tiny_model_dir: Path) -> None:
     cfg = {"model": str(tiny_model_dir), "num_kv_blocks": 256, "block_size": 4}
     engine = LLMEngine(EngineConfig(**cfg, speculative="ngram:k=4,n=2"))
     outputs = _run(engine, prompts, _greedy(len(prompts)))
-    assert engine.spec_stats is not None and engine.spec_stats.num_draft_tokens > 0
+    assert engine.stats().spec is not None and engine.stats().spec.num_draft_tokens > 0
     accepted_hashes = set()
     for prompt, out in zip(prompts, outputs, strict=True):
         # The last token has no KV (never fed back), so its block was never registered.
@@ -179,5 +179,5 @@ def test_smollm2_greedy_identical(smollm2_dir: Path) -> None:
     expected = _run(LLMEngine(EngineConfig(**cfg)), prompts, params)
     engine = LLMEngine(EngineConfig(**cfg, speculative="ngram:k=4"))
     assert _run(engine, prompts, params) == expected
-    stats = engine.spec_stats
+    stats = engine.stats().spec
     assert stats is not None and stats.num_accepted_tokens > 0, stats

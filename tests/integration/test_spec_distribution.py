@@ -73,7 +73,7 @@ def _sample(model_dir: Path, speculative: str | None) -> list[list[int]]:
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     if speculative is not None:
-        stats = engine.spec_stats
+        stats = engine.stats().spec
         assert stats is not None and stats.num_draft_tokens >= N_SAMPLES  # every request drafted
     return [got[f"s{i}"] for i in range(N_SAMPLES)]
 
@@ -150,5 +150,5 @@ def test_ngram_seeded_sampling_identical(v16: tuple[Path, Path]) -> None:
     expected, _ = run(None)
     got, engine = run("ngram:k=4,n=3")
     assert got == expected
-    stats = engine.spec_stats
+    stats = engine.stats().spec
     assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats

@@ -1,4 +1,4 @@
-"""Golden values of the chained block hashes (DESIGN §3).
+"""Golden values of the chained block hashes (docs/design.md §3).
 
 hash(block i) = sha256(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra keys), root
 parent 32 zero bytes. Pods on different machines key shared KV by these hashes, so a change
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import ROOT_PARENT, compute_block_hashes, extend_block_hashes
+from common.block_hash import ROOT_PARENT, compute_block_hashes, extend_block_hashes
 
 GOLDEN = {
     # (tokens, block_size, extra_keys, include_partial) -> hex digests
@@ -60,7 +60,7 @@ GOLDEN = {
 
 
 def _independent(tokens: list[int], bs: int, extra: bytes, partial: bool) -> list[str]:
-    """The DESIGN §3 rule written out with hashlib and int.to_bytes (no struct)."""
+    """The docs/design.md §3 rule written out with hashlib and int.to_bytes (no struct)."""
     parent = bytes(32)
     out = []
     chunks = [tokens[i : i + bs] for i in range(0, len(tokens), bs)]
@@ -116,7 +116,7 @@ def test_extend_matches_full_recompute_incrementally() -> None:
 def test_same_in_a_fresh_process_with_random_hash_seed() -> None:
     """Never Python's hash(): another interpreter (different PYTHONHASHSEED) agrees."""
     code = (
-        "from engine.block_hash import compute_block_hashes as c;"
+        "from common.block_hash import compute_block_hashes as c;"
         "print(c(list(range(8)), 4)[1].hex())"
     )
     out = subprocess.run(

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest

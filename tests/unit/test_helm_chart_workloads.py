@@ -285,8 +285,8 @@ def _component_envs() -> dict[str, set[str]]:
     """PDSERVE_* env twins of every flag of `pdserve router|prefill|decode` (the real CLI)."""
     import argparse
 
+    from common.flags import env_name as pdserve_env
     from pdserve.cli import build_parser
-    from pdserve.settings import env_name as pdserve_env
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

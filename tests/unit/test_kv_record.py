@@ -1,4 +1,4 @@
-"""The KV record codec and key format (DESIGN §3)."""
+"""The KV record codec and key format (docs/design.md §3)."""
 
 from __future__ import annotations
 

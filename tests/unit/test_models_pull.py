@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.models import MARKER, models_root, pull_model, resolve_model
+from common.models import MARKER, models_root, pull_model, resolve_model
 
 pytest.register_assert_rewrite("tests.model_fixtures")
 from tests.model_fixtures import TINY_ARCHS, make_tiny, make_tiny_llama  # noqa: E402
@@ -36,9 +36,9 @@ def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, pdserve.models; sys.exit('torch' in sys.modules)"
+    code = "import sys, common.models; sys.exit('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60)
-    assert proc.returncode == 0, "importing pdserve.models must not import torch"
+    assert proc.returncode == 0, "importing common.models must not import torch"
 
 
 def test_pulled_dir_is_a_loadable_hf_model(smollm2_dir: Path) -> None:
@@ -81,7 +81,7 @@ def test_second_pull_takes_the_fast_path(
     result = pull_model("smollm2")
     assert result.path == smollm2_dir
     assert result.converted is False
-    assert not [r for r in caplog.records if r.name == "pdserve.model_convert"]
+    assert not [r for r in caplog.records if r.name == "common.model_convert"]
 
 
 def test_cli_pull_prints_path_last_and_list_shows_it(smollm2_dir: Path) -> None:

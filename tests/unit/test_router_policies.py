@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.block_hash import compute_block_hashes
+from common.block_hash import compute_block_hashes
 from router.estimator import AutoEstimator, SideLoad
 from router.policies import (
     LeastLoadPolicy,

@@ -20,13 +20,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats
+    from engine.spec_decode.decoder import SpecDecodeStats
+    from kv_store.stats import ConnectorStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +55,22 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            load = self._engine.get_load()
+            stats: EngineStats = self._engine.stats()
         except Exception:
-            logger.debug("get_load failed during scrape", exc_info=True)
-        else:
-            for name, doc in _GAUGES:
-                gauge = GaugeMetricFamily(f"pdserve_engine_{name}", doc, labels=["role"])
-                gauge.add_metric([self._role], float(getattr(load, name)))
-                yield gauge
-        inner = getattr(self._engine, "engine", None)  # the synchronous LLMEngine
-        yield from self._connector_counters(getattr(inner, "connector", None))
-        yield from self._fallbacks(getattr(inner, "transfers", None))
-        yield from self._spec_counters(getattr(inner, "spec_stats", None))
-
-    def _spec_counters(self, stats: Any) -> Iterator[Metric]:
-        """Speculative-decoding tokens drafted and accepted (absent when speculation is off;
-        acceptance rate = accepted / draft)."""
-        if stats is None:
+            logger.debug("engine stats failed during scrape", exc_info=True)
             return
+        for name, doc in _GAUGES:
+            gauge = GaugeMetricFamily(f"pdserve_engine_{name}", doc, labels=["role"])
+            gauge.add_metric([self._role], float(getattr(stats.load, name)))
+            yield gauge
+        if stats.connector is not None:
+            yield from self._connector_counters(stats.connector_name or "?", stats.connector)
+            yield from self._fallbacks(stats)
+        if stats.spec is not None:
+            yield from self._spec_counters(stats.spec)
+
+    def _spec_counters(self, stats: SpecDecodeStats) -> Iterator[Metric]:
+        """Speculative-decoding tokens drafted and accepted (acceptance = accepted / draft)."""
         for name, doc, value in (
             ("draft_tokens", "tokens proposed by the speculative drafter", stats.num_draft_tokens),
             (
@@ -80,15 +83,10 @@ class _EngineCollector(Collector):
             counter.add_metric([self._role, str(stats.method)], float(value))
             yield counter
 
-    def _connector_counters(self, connector: Any) -> Iterator[Metric]:
+    def _connector_counters(self, connector: str, stats: ConnectorStats) -> Iterator[Metric]:
         """Every number in the connector's ``ConnectorStats`` as ``pdserve_kv_<field>_total``;
         its ``failures`` dict as ``pdserve_kv_failures_total{reason}``."""
-        stats = getattr(connector, "stats", None)
-        if stats is None or not dataclasses.is_dataclass(stats):
-            return
-        if hasattr(stats, "snapshot"):
-            stats = stats.snapshot()
-        labels = [getattr(connector, "name", type(connector).__name__), self._role]
+        labels = [connector, self._role]
         for field in dataclasses.fields(stats):
             value = getattr(stats, field.name)
             name = f"pdserve_kv_{field.name}"
@@ -110,17 +108,14 @@ class _EngineCollector(Collector):
                     counter.add_metric([*labels, str(reason)], float(count))
                 yield counter
 
-    def _fallbacks(self, transfers: Any) -> Iterator[Metric]:
+    def _fallbacks(self, stats: EngineStats) -> Iterator[Metric]:
         """Remote-KV loads that fell short (by reason), and the blocks recomputed instead."""
-        stats = getattr(transfers, "stats", None)
-        if stats is None:
-            return
         fallbacks = CounterMetricFamily(
             "pdserve_kv_load_fallbacks",
             "remote KV loads that fell short (blocks missing, corrupt, store unreachable)",
             labels=["role", "reason"],
         )
-        for reason, count in sorted(dict(stats.load_fallbacks).items()):
+        for reason, count in sorted(stats.kv_load_fallbacks.items()):
             fallbacks.add_metric([self._role, str(reason)], float(count))
         yield fallbacks
         recomputed = CounterMetricFamily(
@@ -128,7 +123,7 @@ class _EngineCollector(Collector):
             "KV blocks recomputed locally instead of loaded",
             labels=["role"],
         )
-        recomputed.add_metric([self._role], float(stats.blocks_recomputed))
+        recomputed.add_metric([self._role], float(stats.kv_blocks_recomputed))
         yield recomputed
 
 

@@ -14,23 +14,24 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc.aio
 
+from engine.client import EngineClient, GenerateRequest
+from engine.outputs import RequestOutput
+from engine_service.errors import EngineFull, ServiceUnavailable
+from engine_service.metrics import ServiceMetrics
 from pdserve.v1 import pdserve_pb2 as pb
-from prefill_service.errors import EngineFull, ServiceUnavailable
-from prefill_service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class EngineServiceCore:
-    """State shared by a service's RPC handlers. ``engine`` is a started ``AsyncLLMEngine``."""
+    """State shared by a service's RPC handlers. ``engine`` is a started engine."""
 
     role: str
-    engine: Any
+    engine: EngineClient
     metrics: ServiceMetrics
     model_name: str
     max_waiting: int = 0
@@ -61,15 +62,14 @@ class EngineServiceCore:
                     f"{self.role} engine queue is full ({waiting} waiting); retry later or elsewhere"
                 )
 
-    async def run(
-        self, request_id: str, prompt: list[int], params: Any, **kwargs: Any
-    ) -> AsyncIterator[Any]:
-        """``engine.generate`` with bookkeeping: tracked while running, aborted if left early."""
+    async def run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """``engine.submit`` with bookkeeping: tracked while running, aborted if left early."""
+        request_id = request.request_id
         self._inflight.add(request_id)
         self._idle.clear()
         completed = False
         try:
-            async for out in self.engine.generate(request_id, prompt, params, **kwargs):
+            async for out in self.engine.submit(request):
                 yield out
             completed = True
         finally:
@@ -119,7 +119,7 @@ class EngineServiceCore:
         )
 
 
-async def _quiet_abort(engine: Any, request_id: str) -> None:
+async def _quiet_abort(engine: EngineClient, request_id: str) -> None:
     try:
         await asyncio.shield(engine.abort(request_id))
     except Exception:  # the request may have finished meanwhile; nothing left to free

@@ -1,4 +1,4 @@
-"""Deterministic, chained block hashes (DESIGN §3) — torch-free, shared with the router.
+"""Deterministic, chained block hashes (docs/design.md §3) — torch-free, shared with the router.
 
 hash(block i) = sha256(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra keys),
 with 32 zero bytes as the parent of block 0. Pods on different machines must agree, so this

@@ -24,11 +24,11 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine_service.core import EngineServiceCore
+from engine_service.errors import ErrorMappingInterceptor
+from engine_service.metrics import ServiceMetrics
+from engine_service.settings import engine_config_from_args
 from kv_store.base import KVStoreError
-from pdserve.settings import engine_config_from_args
-from prefill_service.base import EngineServiceCore
-from prefill_service.errors import ErrorMappingInterceptor
-from prefill_service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
