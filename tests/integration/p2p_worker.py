@@ -48,15 +48,15 @@ def make_cache(layout: KvLayout, num_blocks: int, seed: int, device: str) -> tor
     return torch.randn(shape, generator=g).to(getattr(torch, layout.dtype)).to(device).contiguous()
 
 
-def _slow_sends(tag: int, seconds: float, marker: str) -> None:
+def _slow_sends(slow_tag: int, seconds: float, marker: str) -> None:
     real_send = PairGroup.send
 
-    def send(self: PairGroup, tensor: torch.Tensor, tag_: int) -> Any:
-        if tag_ == tag:
+    def send(self: PairGroup, tensor: torch.Tensor, tag: int) -> Any:
+        if tag == slow_tag:
             with open(marker, "w") as f:
                 f.write("sending")
             time.sleep(seconds)
-        return real_send(self, tensor, tag_)
+        return real_send(self, tensor, tag)
 
     PairGroup.send = send  # type: ignore[method-assign]
 
