@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.block_hash import compute_block_hashes
+from common.block_hash import ROOT_PARENT, hash_block_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import KvSaveResult
 from engine.request import Request, RequestStatus
@@ -38,6 +38,19 @@ class LoadOutcome:
     error: str | None = None
 
 
+def prompt_block_hashes(request: Request, block_size: int) -> list[bytes]:
+    """The prompt's block hashes, partial tail included, reusing the request's own chain
+    (computed once as its blocks fill) instead of hashing the prompt again."""
+    prompt = request.prompt_token_ids
+    request.update_block_hashes(block_size)  # no-op when already current
+    n_full = len(prompt) // block_size
+    hashes = request.block_hashes[:n_full]
+    if len(prompt) % block_size:
+        parent = hashes[-1] if hashes else ROOT_PARENT
+        hashes.append(hash_block_tokens(parent, prompt[n_full * block_size :]))
+    return hashes
+
+
 class KVTransferCoordinator:
     def __init__(
         self, connector: KVConnector, kv: KVCacheManager, scheduler: Scheduler, failure_policy: str
@@ -52,21 +65,29 @@ class KVTransferCoordinator:
         self._loading: dict[str, tuple[Request, float, int]] = {}  # id -> (req, t0, start_block)
         self._saving: dict[str, tuple[Request, float]] = {}
         self._aborted: set[str] = set()
+        # Saves the connector holds for a peer to pull (p2p): their blocks stay allocated
+        # until its "release" result. Aborted before the save was reported: end at once.
+        self._held: dict[str, Request] = {}
+        self._release_when_saved: set[str] = set()
 
     def has_work(self) -> bool:
-        return bool(self._awaiting_blocks or self._loading or self._saving)
+        return bool(self._awaiting_blocks or self._loading or self._saving or self._held)
 
     def num_waiting_for_kv(self) -> int:
         return len(self._awaiting_blocks) + len(self._loading)
 
     def _transfer(self, request: Request, start_block: int) -> KVTransfer:
         prompt = request.prompt_token_ids
-        hashes = compute_block_hashes(prompt, self.block_size, include_partial=True)
+        hashes = prompt_block_hashes(request, self.block_size)
         ids = self.kv.block_ids(request.request_id)[: len(hashes)]
         sizes = [
             min(self.block_size, len(prompt) - i * self.block_size) for i in range(len(hashes))
         ]
-        return KVTransfer(request.request_id, list(prompt), hashes, ids, sizes, start_block)
+        t = KVTransfer(request.request_id, list(prompt), hashes, ids, sizes, start_block)
+        if request.remote_kv is not None:
+            t.source_address = request.remote_kv.source_address
+            t.transfer_id = request.remote_kv.transfer_id
+        return t
 
     # -- consumer -------------------------------------------------------------------------
     def add_remote(self, request: Request) -> None:
@@ -89,7 +110,9 @@ class KVTransferCoordinator:
                 -min(prompt_len, request.remote_kv.num_tokens if request.remote_kv else 0)
                 // self.block_size
             )
-            if len(hits) >= n_remote:
+            # A held (p2p) source is pulled even when nothing is missing: the pull of no
+            # blocks is what tells the prefill side to free them now, not at lease end.
+            if len(hits) >= n_remote and not _held_remotely(request):
                 ready.append(request)
                 continue
             self.connector.start_load(self._transfer(request, len(hits)))
@@ -153,7 +176,24 @@ class KVTransferCoordinator:
             time.monotonic() - t0,
             None if result.ok else (result.error or "save failed"),
         )
+        if result.ok and result.held:
+            saved.held, saved.transfer_id = True, result.transfer_id
+            saved.source_address = result.source_address
+            self._held[request.request_id] = request
+            if request.request_id in self._release_when_saved:
+                self.connector.release_held(request.request_id)
+        self._release_when_saved.discard(request.request_id)
         return request, saved
+
+    def release_held(self, request_id: str) -> bool:
+        """Abort of a finished prefill whose blocks a peer may still pull: end the hold
+        (the blocks are freed when the connector reports the release)."""
+        if request_id in self._held:
+            return self.connector.release_held(request_id)
+        if request_id in self._saving:
+            self._release_when_saved.add(request_id)
+            return True
+        return False
 
     # -- both -----------------------------------------------------------------------------
     def poll(self) -> tuple[list[LoadOutcome], list[tuple[Request, KvSaveResult]]]:
@@ -166,6 +206,8 @@ class KVTransferCoordinator:
                     loads.append(outcome)
             elif result.kind == "save" and result.request_id in self._saving:
                 saves.append(self._finish_save(result))
+            elif result.kind == "release" and result.request_id in self._held:
+                self.kv.free(self._held.pop(result.request_id))
         return loads, saves
 
     def abort(self, request: Request) -> bool:
@@ -173,8 +215,19 @@ class KVTransferCoordinator:
         writes them); otherwise they are freed when the transfer completes."""
         if request in self._awaiting_blocks:
             self._awaiting_blocks.remove(request)
+            if _held_remotely(request):  # a pull of no blocks ends the peer's hold now
+                remote = request.remote_kv
+                assert remote is not None
+                drop = KVTransfer(f"{request.request_id}#drop", [], [], [], [])
+                drop.source_address, drop.transfer_id = remote.source_address, remote.transfer_id
+                self.connector.start_load(drop)
             return True
         if request.request_id in self._loading:
             self._aborted.add(request.request_id)
             return False
         return request.request_id not in self._saving
+
+
+def _held_remotely(request: Request) -> bool:
+    """The request's KV waits in a peer's cache under a lease (p2p), not in a store."""
+    return request.remote_kv is not None and bool(request.remote_kv.transfer_id)

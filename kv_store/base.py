@@ -13,7 +13,7 @@ own because LMCache addresses KV by token prefix rather than by our block keys.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -113,6 +113,32 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+
+class VectoredBackend(StorageBackend):
+    """A backend that moves records straight between the paged cache's memory and the
+    store (scatter/gather I/O: ``writev``/``readv`` on files, ``sendmsg``/``recvmsg_into``
+    on sockets), without assembling each record in a buffer first.
+
+    The block connector uses these methods only when ``vectored_io`` is True; any other
+    ``StorageBackend`` goes through ``get``/``put`` with whole records.
+    """
+
+    @property
+    def vectored_io(self) -> bool:
+        """Whether the vectored methods work with this backend's current settings."""
+        return True
+
+    @abc.abstractmethod
+    def put_parts(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
+        """Write each record as the concatenation of its parts; atomic per record."""
+
+    @abc.abstractmethod
+    def read_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> Iterable[int | None]:
+        """Receive each record straight into its writable buffers ``parts[i]`` when its size
+        equals their total. Yields per key the record's size (when it differs from the
+        total nothing was written: fall back to ``get``) or None when missing. May be lazy:
+        a caller that stops iterating stops the reads."""
 
 
 class KVConnector(abc.ABC):

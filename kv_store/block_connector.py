@@ -29,9 +29,9 @@ from kv_store.base import (
     KVTransfer,
     StorageBackend,
     TransferResult,
+    VectoredBackend,
 )
 from kv_store.connector_common import AsyncConnectorBase, Deadline, TransferDeadline
-from kv_store.fs_backend import FsBackend
 from kv_store.keys import block_keys
 from kv_store.record import (
     HEADER_SIZE,
@@ -46,7 +46,6 @@ from kv_store.record import (
     record_header,
     record_size,
 )
-from kv_store.redis_backend import RedisBackend
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +103,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         # CPU cache: fs records go cache -> file (writev) and file -> cache (readv), Redis
         # ones cache -> socket (sendmsg) and socket -> cache (recvmsg_into), without being
         # assembled in a buffer.
-        direct = isinstance(self.backend, FsBackend) or (
-            isinstance(self.backend, RedisBackend) and self.backend.supports_get_into
-        )
+        direct = isinstance(self.backend, VectoredBackend) and self.backend.vectored_io
         on_gpu = kv_cache.device.type == "cuda"
         self._staged = direct and (on_gpu if self._staged_opt is None else self._staged_opt)
         self._kv_np = cache_numpy(kv_cache) if direct and not self._staged else None
@@ -165,12 +162,12 @@ class BlockStoreConnector(AsyncConnectorBase):
         """Encode and put one batch (on an I/O thread); returns the bytes written."""
         deadline.check()
         kv, layout = self._bound()
-        if self._staged and isinstance(self.backend, FsBackend | RedisBackend):
+        if self._staged and isinstance(self.backend, VectoredBackend):
             staging = self._staging(kv)
             host = staging.gather(kv, [t.block_ids[i] for i, _ in batch])
             slots = list(range(len(batch)))
             return self._save_batch_direct(self.backend, host, layout, t, batch, slots)
-        if self._kv_np is not None and isinstance(self.backend, FsBackend | RedisBackend):
+        if self._kv_np is not None and isinstance(self.backend, VectoredBackend):
             return self._save_batch_direct(self.backend, self._kv_np, layout, t, batch)
         bufs: list[bytearray] = getattr(self._tls, "bufs", [])
         items = []
@@ -184,7 +181,7 @@ class BlockStoreConnector(AsyncConnectorBase):
 
     @staticmethod
     def _save_batch_direct(
-        backend: FsBackend | RedisBackend,
+        backend: VectoredBackend,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
@@ -244,14 +241,14 @@ class BlockStoreConnector(AsyncConnectorBase):
             staging = self._staging(kv)
             host = staging.host(len(idx))
             slots = list(range(len(idx)))
-            result = self._load_batch_direct(self.backend, host, layout, t, idx, keys, slots)
+            result = self._load_batch_direct(self._vectored(), host, layout, t, idx, keys, slots)
             if result[0]:  # scatter the verified leading blocks into the cache
                 full = layout.block_size
                 targets = [(t.block_ids[i], t.block_num_tokens[i]) for i in idx[: result[0]]]
                 staging.scatter(kv, targets, full, slots=len(idx))
             return result
         if self._kv_np is not None:
-            return self._load_batch_direct(self.backend, self._kv_np, layout, t, idx, keys)
+            return self._load_batch_direct(self._vectored(), self._kv_np, layout, t, idx, keys)
         values = self.backend.get(keys)
         loaded = nbytes = 0
         for i, key, value in zip(idx, keys, values, strict=True):
@@ -267,9 +264,14 @@ class BlockStoreConnector(AsyncConnectorBase):
             nbytes += len(value)
         return loaded, nbytes, None
 
+    def _vectored(self) -> VectoredBackend:
+        # _staged and _kv_np are set only for a backend with vectored I/O (bind_kv_cache).
+        assert isinstance(self.backend, VectoredBackend)
+        return self.backend
+
     @staticmethod
     def _load_batch_direct(
-        backend: StorageBackend,
+        backend: VectoredBackend,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
@@ -288,13 +290,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         ]
         bufs: list[list[Blob]] = [[h, *ps] for h, ps in zip(headers, parts, strict=True)]
         sizes: Iterable[int | None]
-        if isinstance(backend, FsBackend):
-            # Lazily, key by key: reading stops at the first bad block.
-            sizes = (backend.get_into(k, b) for k, b in zip(keys, bufs, strict=True))
-        elif isinstance(backend, RedisBackend):
-            sizes = backend.get_into(keys, bufs)
-        else:
-            raise TypeError(f"no direct load path for {type(backend).__name__}")
+        sizes = backend.read_into(keys, bufs)  # may be lazy: stops at the first bad block
         loaded = nbytes = 0
         for j, (i, key, size) in enumerate(zip(idx, keys, sizes)):
             n = t.block_num_tokens[i]

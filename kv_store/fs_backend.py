@@ -21,12 +21,12 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from kv_store.base import Blob, KVStoreError, StorageBackend
+from kv_store.base import Blob, KVStoreError, VectoredBackend
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def key_to_relpath(key: str) -> str:
     return "/".join([*enc[:-1], leaf[:2], leaf])  # POSIX paths; no component is empty
 
 
-class FsBackend(StorageBackend):
+class FsBackend(VectoredBackend):
     """A ``StorageBackend`` over a directory shared by any number of processes."""
 
     def __init__(
@@ -184,6 +184,10 @@ class FsBackend(StorageBackend):
             _unlink_quiet(tmp)
             raise KVStoreError(f"fs store: write {path}: {e}") from e
         return size
+
+    def read_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> Iterator[int | None]:
+        """Lazily, key by key (``get_into``): a caller stops reading at the first bad block."""
+        return (self.get_into(k, p) for k, p in zip(keys, parts, strict=True))
 
     def get_into(self, key: str, parts: Sequence[Blob]) -> int | None:
         """Read ``key`` straight into the writable buffers ``parts`` (``readv``) when the

@@ -28,7 +28,7 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
-from kv_store.base import Blob, KVStoreError, StorageBackend
+from kv_store.base import Blob, KVStoreError, VectoredBackend
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,7 +43,7 @@ def _chunks(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
         yield items[i : i + n]
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(VectoredBackend):
     """A ``StorageBackend`` over one Redis server (``redis://host:port/db``)."""
 
     def __init__(
@@ -122,10 +122,14 @@ class RedisBackend(StorageBackend):
             raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
 
     @property
-    def supports_get_into(self) -> bool:
+    def vectored_io(self) -> bool:
         """Whether ``get_into`` works here: plain TCP or unix sockets (a TLS socket has no
         ``recvmsg_into``)."""
         return not self.url.startswith("rediss://")
+
+    def read_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> list[int | None]:
+        """One pipelined batch (``get_into``)."""
+        return self.get_into(keys, parts)
 
     def get_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> list[int | None]:
         """Pipelined ``GET``s of ``keys``; a value whose size equals the total of its
@@ -137,7 +141,7 @@ class RedisBackend(StorageBackend):
             raise ValueError(f"get_into: {len(keys)} keys but {len(parts)} buffer lists")
         if not keys:
             return []
-        if not self.supports_get_into:
+        if not self.vectored_io:
             raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.url!r}")
         # Checked before anything is sent: a bad buffer found mid-reply would leave earlier
         # keys' buffers written and raise a TypeError from inside the socket loop.
@@ -187,7 +191,7 @@ class RedisBackend(StorageBackend):
             (key, _byte_views(parts, f"items[{i}]", writable=False))
             for i, (key, parts) in enumerate(items)
         ]
-        if not self.supports_get_into:
+        if not self.vectored_io:
             self.put([(key, b"".join(parts)) for key, parts in views])
             return
         try:

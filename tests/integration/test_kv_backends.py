@@ -144,7 +144,7 @@ def test_redis_get_into_receives_values_into_caller_buffers(redis_server: str) -
         assert b.get_into(["small"], [again]) == [10] and again == [bytearray(b"0123456789")]
     finally:
         b.close()
-    assert not RedisBackend("rediss://127.0.0.1:1").supports_get_into
+    assert not RedisBackend("rediss://127.0.0.1:1").vectored_io
 
 
 @pytest.mark.timeout(20)  # a dead server must give an error, not a hang
