@@ -156,7 +156,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None or request.is_finished:
-            return False
+            # A finished prefill whose blocks a peer may still pull (p2p): end the hold.
+            return self.transfers is not None and self.transfers.release_held(request_id)
         free_now = self.transfers.abort(request) if self.transfers else True
         if free_now:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
@@ -260,7 +261,8 @@ class LLMEngine:
         return []
 
     def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
-        self.kv.free(request)
+        if not saved.held:  # held (p2p): freed when the connector releases them
+            self.kv.free(request)
         self.scheduler.requests.pop(request.request_id, None)
         out = self.outputs.output(request, [], "", finished=True)
         out.kv_saved = saved

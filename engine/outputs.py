@@ -19,13 +19,18 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class KvSaveResult:
-    """The prompt blocks a producer wrote (or found already present) in the store."""
+    """The prompt blocks a producer wrote (or found already present) in the store — or,
+    with ``held`` (p2p), kept in this engine's cache for the decode side to pull from
+    ``source_address`` under ``transfer_id`` until the lease ends."""
 
     block_keys: list[str]
     num_tokens: int
     num_blocks_written: int
     seconds: float
     error: str | None = None  # the save failed; decode will find blocks missing and recompute
+    held: bool = False
+    transfer_id: str = ""
+    source_address: str = ""
 
 
 @dataclass(slots=True)

@@ -40,10 +40,14 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True)
 class RemoteKV:
-    """Where to load a request's prompt KV from: the store keys of its leading blocks."""
+    """Where to load a request's prompt KV from: the store keys of its leading blocks, or
+    (p2p) the prefill instance holding them (``source_address``) and its lease
+    (``transfer_id``)."""
 
     block_keys: list[str]
     num_tokens: int
+    source_address: str = ""
+    transfer_id: str = ""
 
 
 @dataclass(eq=False, slots=True)

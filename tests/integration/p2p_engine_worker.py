@@ -1,0 +1,72 @@
+"""A producer engine with the p2p connector in its own process (for the engine-level tests).
+
+    python -m tests.integration.p2p_engine_worker MODEL PROMPT_JSON LEASE_S
+
+Prefills ``PROMPT`` (greedy, one token) with ``save_kv``; prints ``{first, transfer_id,
+address, held}`` the moment the engine reports the held save, keeps stepping (the blocks
+stay allocated while the lease is held) and prints ``{released, free_blocks, total_blocks,
+p2p}`` once the engine has nothing left (the lease ended: pulled, expired or aborted). A
+line ``abort`` on stdin aborts the request on this side. Exits on ``quit`` or end of stdin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    model, prompt_json, lease_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    import torch
+
+    torch.set_num_threads(1)
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from kv_store.p2p import P2PConnector
+
+    connector = P2PConnector(lease_s=lease_s, timeout_s=20.0)
+    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=64), connector)
+    commands: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            commands.put(line.strip())
+        commands.put("quit")
+
+    threading.Thread(target=read, daemon=True).start()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request("p", json.loads(prompt_json), params, save_kv=True)
+    first = -1
+    while engine.has_unfinished():
+        while not commands.empty():
+            if commands.get() == "abort":
+                engine.abort_request("p")
+        for out in engine.step():
+            first = out.new_token_ids[0] if out.new_token_ids else first
+            if out.kv_saved is not None:
+                saved = out.kv_saved
+                handle = {
+                    "first": first,
+                    "transfer_id": saved.transfer_id,
+                    "address": saved.source_address,
+                    "held": saved.held,
+                    "free_blocks": engine.kv.pool.num_free_blocks,
+                }
+                print(json.dumps(handle), flush=True)
+        time.sleep(0.002)
+    load = engine.get_load()
+    p2p = dataclasses.asdict(connector.p2p_stats())
+    done = {"released": True, "free_blocks": load.free_blocks, "total_blocks": load.total_blocks}
+    print(json.dumps({**done, "p2p": p2p}), flush=True)
+    while commands.get() != "quit":
+        pass
+    connector.close()
+
+
+if __name__ == "__main__":
+    main()
