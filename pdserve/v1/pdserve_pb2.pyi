@@ -45,7 +45,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., return_logprobs: bool = ..., skip_special_tokens: bool = ..., guided_kind: _Optional[str] = ..., guided_value: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("model_fingerprint", "layout_version", "dtype", "block_size", "block_keys", "num_tokens", "connector")
+    __slots__ = ("model_fingerprint", "layout_version", "dtype", "block_size", "block_keys", "num_tokens", "connector", "source_address", "transfer_id")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class KvHandle(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layout_version: int
     dtype: str
@@ -60,7 +62,9 @@ class KvHandle(_message.Message):
     block_keys: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: int
     connector: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., connector: _Optional[str] = ...) -> None: ...
+    source_address: str
+    transfer_id: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layout_version: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., connector: _Optional[str] = ..., source_address: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
