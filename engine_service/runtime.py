@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine_service.core import EngineServiceCore
 from engine_service.errors import ErrorMappingInterceptor
 from engine_service.metrics import ServiceMetrics
-from engine_service.settings import engine_config_from_args
+from engine_service.settings import ServiceSettings, engine_config_from_args
 from kv_store.base import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,10 @@ def build_connector(args: argparse.Namespace) -> Any | None:
 
 def run_service(args: argparse.Namespace, *, role: str, register: Register) -> int:
     """Run one service process until it is signalled; returns the exit status."""
-    configure_threads(args.torch_threads)
+    settings = ServiceSettings.from_args(args, role)
+    configure_threads(settings.torch_threads)
     try:
-        status = asyncio.run(_serve(args, role, register))
+        status = asyncio.run(_serve(args, settings, register))
     except (ValueError, KVStoreError) as exc:
         # Bad settings or an unreachable store at startup: one clear line, not a traceback.
         logger.error("%s service cannot start: %s", role, exc)
@@ -95,9 +96,11 @@ def _exit_despite_stray_threads(status: int, timeout: float = 5.0) -> None:
         os._exit(status)
 
 
-async def _serve(args: argparse.Namespace, role: str, register: Register) -> int:
+async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: Register) -> int:
+    """``args`` supplies the engine and store flags (their own settings are built from it)."""
     from engine.async_engine import AsyncLLMEngine, EngineDeadError
 
+    role = settings.role
     config = engine_config_from_args(args)
     connector = build_connector(args)
     engine = AsyncLLMEngine(config, connector)
@@ -108,8 +111,8 @@ async def _serve(args: argparse.Namespace, role: str, register: Register) -> int
         role=role,
         engine=engine,
         metrics=metrics,
-        model_name=args.model,
-        max_waiting=args.max_waiting,
+        model_name=settings.model_name,
+        max_waiting=settings.max_waiting,
     )
     server = grpc.aio.server(
         interceptors=[
@@ -122,22 +125,22 @@ async def _serve(args: argparse.Namespace, role: str, register: Register) -> int
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics_server = None
     try:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
-        if args.metrics_port:
-            metrics_server = metrics.serve(args.host, args.metrics_port)
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if settings.metrics_port:
+            metrics_server = metrics.serve(settings.host, settings.metrics_port)
         await server.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
             "%s service serving on %s:%d (metrics :%s, model %s, pid %d)",
             role,
-            args.host,
+            settings.host,
             port,
-            args.metrics_port or "off",
-            args.model,
+            settings.metrics_port or "off",
+            settings.model_name,
             os.getpid(),
         )
-        await _drain_on_signal(core, health_servicer, args.drain_grace)
+        await _drain_on_signal(core, health_servicer, settings.drain_grace)
         await server.stop(grace=2.0)
     finally:
         await engine.shutdown()  # also closes the connector

@@ -8,6 +8,7 @@ Each engine flag is declared once, in ``ENGINE_FLAGS``: the services add all of 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from common.flags import (
@@ -200,3 +201,31 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     if getattr(args, "kv_load_failure", None):
         kwargs["kv_load_failure"] = args.kv_load_failure
     return EngineConfig(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSettings:
+    """How one engine service process runs (the non-engine, non-store flags)."""
+
+    role: str  # "prefill" | "decode"
+    host: str
+    port: int
+    metrics_port: int
+    drain_grace: float
+    max_waiting: int
+    torch_threads: int
+    model_name: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, role: str) -> ServiceSettings:
+        """Settings from a namespace parsed with ``add_service_arguments``."""
+        return cls(
+            role,
+            args.host,
+            args.port,
+            args.metrics_port,
+            args.drain_grace,
+            args.max_waiting,
+            args.torch_threads,
+            args.model,
+        )
