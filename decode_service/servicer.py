@@ -24,6 +24,7 @@ from engine_service.convert import (
     check_handle_compatible,
     logprobs_to_proto,
     phase_timings,
+    remote_kv_from_handle,
     sampling_params_from_proto,
     token_ids,
 )
@@ -41,8 +42,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     def _prepare(self, request: pb.DecodeRequest) -> tuple[str, list[int], list[int], Any, Any]:
         """Validate a request → (request id, prompt, generated, sampling params, remote KV)."""
-        from engine.request import RemoteKV
-
         core = self._core
         prompt = token_ids("prompt_token_ids", request.prompt_token_ids)
         generated = token_ids("generated_token_ids", request.generated_token_ids, allow_empty=True)
@@ -51,13 +50,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if request.HasField("kv_handle"):
             handle = request.kv_handle
             check_handle_compatible(handle, core.engine)
-            if handle.num_tokens > len(prompt):
-                raise ValueError(
-                    f"kv_handle covers {handle.num_tokens} tokens but the prompt has only {len(prompt)}"
-                )
-            remote_kv = RemoteKV(
-                block_keys=list(handle.block_keys), num_tokens=int(handle.num_tokens)
-            )
+            remote_kv = remote_kv_from_handle(handle, len(prompt))
         request_id = core.new_request_id(request.request_id)
         return request_id, prompt, generated, params, remote_kv
 

@@ -367,6 +367,7 @@ class LLMEngine:
             dict(transfers.load_fallbacks) if transfers else {},
             transfers.blocks_recomputed if transfers else 0,
             self.spec.stats if self.spec is not None else None,
+            self.connector.p2p_stats() if self.connector is not None else None,
         )
 
     def reset_prefix_cache(self) -> None:

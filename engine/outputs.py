@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.spec_decode.decoder import SpecDecodeStats
+    from kv_store.p2p.stats import P2PStats
     from kv_store.stats import ConnectorStats
 
 
@@ -90,3 +91,4 @@ class EngineStats:
     kv_load_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> loads
     kv_blocks_recomputed: int = 0
     spec: SpecDecodeStats | None = None
+    p2p: P2PStats | None = None  # leases and pulls of a p2p connector

@@ -14,7 +14,8 @@ from engine_service.errors import IncompatibleKvHandle
 from pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.outputs import RequestOutput, TokenLogprob
+    from engine.outputs import KvSaveResult, RequestOutput, TokenLogprob
+    from engine.request import RemoteKV
     from engine.sampling_params import SamplingParams
 
 
@@ -115,5 +116,39 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)
         )
-    if handle.num_tokens < 1 or not handle.block_keys:
-        raise ValueError("kv_handle has no blocks (num_tokens and block_keys must be set)")
+    if handle.num_tokens < 1 or not (handle.block_keys or handle.transfer_id):
+        raise ValueError(
+            "kv_handle has no blocks (num_tokens and block_keys, or a p2p transfer_id, must be set)"
+        )
+    if handle.transfer_id and not handle.source_address:
+        raise ValueError("kv_handle names a p2p transfer_id but no source_address")
+
+
+def kv_handle(engine: Any, saved: KvSaveResult, connector: str) -> pb.KvHandle:
+    """The handle a prefill streams for its committed KV: store keys, and for a held (p2p)
+    save the address to pull from and the lease's transfer id."""
+    return pb.KvHandle(
+        **kv_handle_fields(engine),
+        block_keys=saved.block_keys,
+        num_tokens=saved.num_tokens,
+        connector=connector,
+        source_address=saved.source_address,
+        transfer_id=saved.transfer_id,
+    )
+
+
+def remote_kv_from_handle(handle: pb.KvHandle, prompt_len: int) -> RemoteKV:
+    """The engine's ``RemoteKV`` for a (compatible) handle; ValueError when it covers more
+    tokens than the prompt has."""
+    from engine.request import RemoteKV
+
+    if handle.num_tokens > prompt_len:
+        raise ValueError(
+            f"kv_handle covers {handle.num_tokens} tokens but the prompt has only {prompt_len}"
+        )
+    return RemoteKV(
+        list(handle.block_keys),
+        int(handle.num_tokens),
+        handle.source_address,
+        handle.transfer_id,
+    )

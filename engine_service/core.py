@@ -96,10 +96,10 @@ class EngineServiceCore:
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         """Abort a running request; ``found`` is False when it is unknown or already done.
-        Its stream then ends with finish_reason "abort"."""
+        Its stream then ends with finish_reason "abort". A finished prefill whose KV is held
+        for a pull (p2p) is not running, but the engine still ends its hold."""
         found = request.request_id in self._inflight
-        if found:
-            await self.engine.abort(request.request_id)
+        await self.engine.abort(request.request_id)
         return pb.AbortResponse(found=found)
 
     async def GetLoad(

@@ -13,6 +13,7 @@ collector), so they are never stale and cost nothing between scrapes; per-reques
 | pdserve_kv_failures_total | counter | connector, role, reason |
 | pdserve_kv_load_fallbacks_total | counter | role, reason |
 | pdserve_kv_blocks_recomputed_total | counter | role |
+| pdserve_kv_p2p_* (leases, blocks held, lease ends, bytes, transfer seconds) | see p2p_metrics |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_service.p2p_metrics import p2p_families
 from pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
@@ -68,6 +70,8 @@ class _EngineCollector(Collector):
             yield from self._fallbacks(stats)
         if stats.spec is not None:
             yield from self._spec_counters(stats.spec)
+        if stats.p2p is not None:
+            yield from p2p_families(stats.connector_name or "?", self._role, stats.p2p)
 
     def _spec_counters(self, stats: SpecDecodeStats) -> Iterator[Metric]:
         """Speculative-decoding tokens drafted and accepted (acceptance = accepted / draft)."""

@@ -60,7 +60,7 @@ def build_connector(args: argparse.Namespace) -> Any | None:
     from kv_store.factory import build_connector as factory_build
 
     settings = KVStoreSettings.from_args(args)
-    return factory_build(settings)
+    return factory_build(settings, host=args.host)
 
 
 def run_service(args: argparse.Namespace, *, role: str, register: Register) -> int:

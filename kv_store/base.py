@@ -22,6 +22,8 @@ from kv_store.stats import ConnectorStats
 if TYPE_CHECKING:
     import torch
 
+    from kv_store.p2p.stats import P2PStats
+
 
 # What ``StorageBackend.put`` accepts: records are built in a ``bytearray`` (one copy out of
 # the cache) and must not be copied again into ``bytes`` just to satisfy a type.
@@ -180,6 +182,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> list[TransferResult]:
         """Finished transfers since the last call (non-blocking)."""
+
+    def p2p_stats(self) -> P2PStats | None:
+        """Leases and pulls of a connector that hands KV peer to peer (p2p); None for a
+        store connector (exported as ``pdserve_kv_p2p_*``)."""
+        return None
 
     def release_held(self, request_id: str) -> bool:
         """End the hold of a save reported ``held`` (the request was aborted); its

@@ -2,7 +2,7 @@
 
 | flag            | env                   | meaning                                        |
 |-----------------|-----------------------|------------------------------------------------|
-| --connector     | PDSERVE_CONNECTOR     | fs, redis, lmcache or none                     |
+| --connector     | PDSERVE_CONNECTOR     | fs, redis, lmcache, p2p or none                |
 | --kv-path       | PDSERVE_KV_PATH       | fs: the shared directory                       |
 | --redis-url     | PDSERVE_REDIS_URL     | redis: redis://host:port[/db]                  |
 | --lmcache-url   | PDSERVE_LMCACHE_URL   | lmcache: lm://host:port or redis://host:port   |
@@ -10,6 +10,15 @@
 | --kv-capacity   | PDSERVE_KV_CAPACITY   | byte bound, e.g. 10GiB (common.sizes; fs store;|
 |                 |                       | LMCache's CPU buffer); 0 = unbounded           |
 | --kv-key-prefix | PDSERVE_KV_KEY_PREFIX | namespace before every key (Redis; fs path)    |
+| --kv-store      | PDSERVE_KV_STORE      | p2p: also save to fs, redis or lmcache (prefix |
+|                 |                       | reuse, fallback when the peer is unreachable)  |
+| --p2p-host      | PDSERVE_P2P_HOST      | p2p: address to serve pulls on and put in      |
+|                 |                       | handles (default: the service's --host; a      |
+|                 |                       | wildcard advertises this machine's address)    |
+| --p2p-port      | PDSERVE_P2P_PORT      | p2p: control port (0 = a free port)            |
+| --p2p-lease-seconds | PDSERVE_P2P_LEASE_SECONDS | p2p: how long a prefill holds blocks |
+|                 |                       | for the pull (default 30)                      |
+| --p2p-timeout   | PDSERVE_P2P_TIMEOUT   | p2p: deadline of one pull, seconds (default 10)|
 """
 
 from __future__ import annotations
@@ -24,9 +33,30 @@ from kv_store.base import KVConnector
 
 __all__ = ["parse_bytes"]  # re-exported: the byte-size rule of --kv-capacity
 
-CONNECTORS = ("fs", "redis", "lmcache", "none")
+CONNECTORS = ("fs", "redis", "lmcache", "p2p", "none")
+STORES = ("fs", "redis", "lmcache", "none")  # what --kv-store composes with p2p
 DEFAULT_TTL_S = 3600.0
 DEFAULT_CAPACITY = 10 * 1024**3
+
+
+def _parse_port(text: str | int) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {text!r}")
+    return port
+
+
+def _parse_seconds(text: str | float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"invalid duration {text!r}: expected seconds") from None
+    if value <= 0:
+        raise ValueError(f"duration must be > 0 seconds, got {text!r}")
+    return value
 
 
 def _parse_ttl(text: str | float) -> float:
@@ -50,6 +80,17 @@ class KVStoreSettings:
     kv_ttl: float = DEFAULT_TTL_S
     kv_capacity: int = DEFAULT_CAPACITY
     key_prefix: str = ""
+    kv_store: str = "none"  # with connector p2p: a store saved too
+    p2p_host: str | None = None  # None: the service's own --host
+    p2p_port: int = 0
+    p2p_lease_s: float = 30.0
+    p2p_timeout_s: float = 10.0
+
+    @property
+    def store_kind(self) -> str:
+        """The store connector among the settings: ``connector`` itself, or for p2p the
+        composed ``kv_store`` ("none" when p2p runs alone)."""
+        return self.kv_store if self.connector == "p2p" else self.connector
 
     def validate(self) -> None:
         """``ValueError`` naming the flag to fix."""
@@ -57,6 +98,16 @@ class KVStoreSettings:
             raise ValueError(
                 f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}"
             )
+        if self.kv_store not in STORES:
+            raise ValueError(
+                f"--kv-store must be one of {', '.join(STORES)}, got {self.kv_store!r}"
+            )
+        if self.kv_store != "none" and self.connector != "p2p":
+            raise ValueError("--kv-store composes a store with --connector p2p only")
+        if not 0 <= self.p2p_port <= 65535:
+            raise ValueError(f"--p2p-port must be in 0..65535, got {self.p2p_port}")
+        if self.p2p_lease_s <= 0 or self.p2p_timeout_s <= 0:
+            raise ValueError("--p2p-lease-seconds and --p2p-timeout must be > 0")
         if self.kv_ttl < 0:
             raise ValueError(f"--kv-ttl must be >= 0, got {self.kv_ttl}")
         if self.kv_capacity < 0:
@@ -66,19 +117,18 @@ class KVStoreSettings:
             "redis": ("redis_url", "--redis-url / PDSERVE_REDIS_URL"),
             "lmcache": ("lmcache_url", "--lmcache-url / PDSERVE_LMCACHE_URL"),
         }
-        if self.connector in need:
-            attr, flag = need[self.connector]
+        kind = self.store_kind
+        if kind in need:
+            attr, flag = need[kind]
             if not getattr(self, attr):
                 raise ValueError(f"--connector {self.connector} needs {flag}")
-        if self.connector == "redis" and not str(self.redis_url).startswith(
+        if kind == "redis" and not str(self.redis_url).startswith(
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(
                 f"--redis-url must look like redis://host:port, got {self.redis_url!r}"
             )
-        if self.connector == "lmcache" and not str(self.lmcache_url).startswith(
-            ("lm://", "redis://")
-        ):
+        if kind == "lmcache" and not str(self.lmcache_url).startswith(("lm://", "redis://")):
             raise ValueError(
                 f"--lmcache-url must look like lm://host:port or redis://host:port, got {self.lmcache_url!r}"
             )
@@ -95,6 +145,11 @@ class KVStoreSettings:
             kv_ttl=_parse_ttl(env.get("PDSERVE_KV_TTL", DEFAULT_TTL_S)),
             kv_capacity=parse_bytes(env.get("PDSERVE_KV_CAPACITY", DEFAULT_CAPACITY)),
             key_prefix=env.get("PDSERVE_KV_KEY_PREFIX", ""),
+            kv_store=env.get("PDSERVE_KV_STORE", "none").strip().lower(),
+            p2p_host=env.get("PDSERVE_P2P_HOST") or None,
+            p2p_port=_parse_port(env.get("PDSERVE_P2P_PORT", "0")),
+            p2p_lease_s=_parse_seconds(env.get("PDSERVE_P2P_LEASE_SECONDS", "30")),
+            p2p_timeout_s=_parse_seconds(env.get("PDSERVE_P2P_TIMEOUT", "10")),
         )
         s.validate()
         return s
@@ -110,6 +165,11 @@ class KVStoreSettings:
             args.kv_ttl,
             args.kv_capacity,
             args.kv_key_prefix,
+            args.kv_store,
+            args.p2p_host or None,
+            args.p2p_port,
+            args.p2p_lease_seconds,
+            args.p2p_timeout,
         )
         s.validate()
         return s
@@ -160,17 +220,70 @@ def add_cli_arguments(
         default=env.get("PDSERVE_KV_KEY_PREFIX", ""),
         help="namespace before every store key (env PDSERVE_KV_KEY_PREFIX)",
     )
+    g.add_argument(
+        "--kv-store",
+        choices=STORES,
+        default=env.get("PDSERVE_KV_STORE", "none").strip().lower(),
+        help="with --connector p2p: also save to this store, for prefix reuse and as the "
+        "fallback when the peer is unreachable (env PDSERVE_KV_STORE)",
+    )
+    g.add_argument(
+        "--p2p-host",
+        default=env.get("PDSERVE_P2P_HOST") or None,
+        help="p2p: address to serve pulls on and to put in handles; default the service's "
+        "--host (a wildcard advertises this machine's address) (env PDSERVE_P2P_HOST)",
+    )
+    g.add_argument(
+        "--p2p-port",
+        type=_parse_port,
+        default=_parse_port(env.get("PDSERVE_P2P_PORT", "0")),
+        help="p2p: control port, 0 = a free port (env PDSERVE_P2P_PORT)",
+    )
+    g.add_argument(
+        "--p2p-lease-seconds",
+        type=_parse_seconds,
+        default=_parse_seconds(env.get("PDSERVE_P2P_LEASE_SECONDS", "30")),
+        help="p2p: how long a prefill holds a request's blocks for the decode side's pull "
+        "(env PDSERVE_P2P_LEASE_SECONDS)",
+    )
+    g.add_argument(
+        "--p2p-timeout",
+        type=_parse_seconds,
+        default=_parse_seconds(env.get("PDSERVE_P2P_TIMEOUT", "10")),
+        help="p2p: deadline of one pull (connect, rendezvous, data), seconds "
+        "(env PDSERVE_P2P_TIMEOUT)",
+    )
 
 
-def build_connector(settings: KVStoreSettings) -> KVConnector | None:
+def build_connector(settings: KVStoreSettings, host: str = "127.0.0.1") -> KVConnector | None:
     """The connector ``settings`` describe, or None for ``none``. Raises ``ValueError`` on
-    bad settings and ``KVStoreError`` when the store cannot be reached at start."""
+    bad settings and ``KVStoreError`` when the store cannot be reached at start. ``host``:
+    the service's listen address, where p2p serves pulls unless ``p2p_host`` says."""
     settings.validate()
+    if settings.connector == "p2p":
+        from kv_store.p2p import P2PConnector
+
+        p2p = P2PConnector(
+            host=settings.p2p_host or host,
+            port=settings.p2p_port,
+            lease_s=settings.p2p_lease_s,
+            timeout_s=settings.p2p_timeout_s,
+        )
+        store = _build_store(settings, settings.kv_store)
+        if store is None:
+            return p2p
+        from kv_store.p2p.composed import P2PWithStore
+
+        return P2PWithStore(p2p, store)
+    return _build_store(settings, settings.connector)
+
+
+def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:
     ttl = settings.kv_ttl or None
     cap = settings.kv_capacity or None
-    if settings.connector == "none":
+    if kind == "none":
         return None
-    if settings.connector == "fs":
+    if kind == "fs":
         from kv_store.block_connector import BlockStoreConnector
         from kv_store.fs_backend import FsBackend
 
@@ -179,7 +292,7 @@ def build_connector(settings: KVStoreSettings) -> KVConnector | None:
             settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix
         )
         return BlockStoreConnector(fs, name="fs")
-    if settings.connector == "redis":
+    if kind == "redis":
         from kv_store.block_connector import BlockStoreConnector
         from kv_store.redis_backend import RedisBackend
 

@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `pdserve prefill` (parsed flags in, exit status out)."""
     if args.connector == "none":
         logging.getLogger(__name__).error(
-            "a prefill service needs a KV store to hand its KV to decode: pass --connector "
-            "fs|redis|lmcache (env PDSERVE_CONNECTOR) with its --kv-path / --redis-url / --lmcache-url"
+            "a prefill service needs a KV connector to hand its KV to decode: pass --connector "
+            "p2p, or fs|redis|lmcache with its --kv-path / --redis-url / --lmcache-url "
+            "(env PDSERVE_CONNECTOR)"
         )
         return 2
     return run_service(args, role="prefill", register=register)

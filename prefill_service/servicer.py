@@ -17,7 +17,7 @@ import grpc.aio
 
 from engine.client import GenerateRequest
 from engine_service.convert import (
-    kv_handle_fields,
+    kv_handle,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
@@ -72,12 +72,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 )
                 core.metrics.observe_timings(timings)
                 yield pb.PrefillEvent(
-                    kv_committed=pb.KvHandle(
-                        **kv_handle_fields(core.engine),
-                        block_keys=saved.block_keys,
-                        num_tokens=saved.num_tokens,
-                        connector=self._connector_name,
-                    ),
+                    kv_committed=kv_handle(core.engine, saved, self._connector_name),
                     timings=timings,
                 )
                 committed = True  # the last output; the engine's stream ends right after
