@@ -7,8 +7,9 @@ output in a log file, and each engine process gets a fair share of the cores as 
 threads; with ``--gpus N`` / ``--gpu-ids`` each engine is pinned to one GPU
 (``CUDA_VISIBLE_DEVICES``). It waits (with a deadline) until every part reports healthy,
 prints a line containing ``pdserve is ready``, then supervises: Ctrl-C or SIGTERM stops
-everything, and a child that dies takes the system down with an error naming it and the
-tail of its log. How children are started, probed and stopped: ``pdserve/procs.py``.
+everything, and a child that dies is restarted with backoff up to a crash-loop limit
+(``pdserve/supervise.py``). How children are started, probed and stopped:
+``pdserve/procs.py``; the run's temporary directory: ``pdserve/workdir.py``.
 
 Torch-free: only the children load engines.
 """
@@ -22,7 +23,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ from pdserve.procs import (
     http_probe,
     tcp_probe,
 )
+from pdserve.supervise import RestartPolicy, Supervisor
+from pdserve.workdir import make_workdir, remove_stale_workdirs
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Entry point of `pdserve up`: 0 after a requested stop, 1 when a part failed."""
+    remove_stale_workdirs()  # of runs killed with SIGKILL, which could not clean up
     try:
         _check_counts(args)
         gpu_ids(args)  # misuse of --gpus / --gpu-ids fails before anything starts
@@ -241,7 +244,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    workdir = make_workdir()
     log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
     launcher = Launcher(args, workdir, log_dir)
     handlers = {
@@ -277,8 +280,12 @@ def _start_and_supervise(launcher: Launcher, model_dir: str) -> int:
     launcher.start(parts, env)
     _print(f"pdserve: router listening on {url} (mode {args.mode}); waiting until all are healthy")
     launcher.wait_healthy(parts, deadline)
+    status = launcher.workdir / "status.json"
+    supervisor = Supervisor(launcher, env, RestartPolicy(args.max_restarts), _print, status)
+    supervisor.write_status()
+    _print(f"pdserve: children, pids and restart counts in {status}")
     _print(f"pdserve is ready: {url} (Ctrl-C to stop)")
-    launcher.supervise()
+    supervisor.run()
     _print("pdserve: stopping")
     return 0
 
@@ -331,6 +338,14 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         {"type": float, "default": 20.0, "help": "seconds children get before SIGKILL"},
     ),
     ("--log-dir", {"help": "keep child logs here (default: in the temporary directory)"}),
+    (
+        "--max-restarts",
+        {
+            "type": non_negative_int,
+            "default": 5,
+            "help": "restarts of one child within 60 s before pdserve up gives up; 0 = none",
+        },
+    ),
 )
 
 

@@ -1,5 +1,5 @@
 """Child processes of `pdserve up`: start each in its own process group with its output in
-a log file, probe health (gRPC health check, HTTP, TCP), supervise, and stop them all
+a log file, probe health (gRPC health check, HTTP, TCP), and stop them all
 (SIGTERM to each group, SIGKILL after a grace period). The kernel also signals the children
 if the launcher itself is killed (PR_SET_PDEATHSIG), so nothing is left behind.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -57,7 +58,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env={**env, **self.env_extra},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
 
     def exited(self) -> int | None:
@@ -77,11 +78,14 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In the child before exec: get SIGTERM when the launcher dies (Linux), so a killed
-    launcher leaves no orphans."""
+    launcher leaves no orphans. A launcher that died before the prctl took effect sends no
+    signal, hence the check of the parent afterwards."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def free_ports(count: int) -> list[int]:
@@ -143,7 +147,8 @@ def tcp_probe(port: int, send: bytes = b"", expect: bytes = b"") -> Probe:
 
 @dataclass(slots=True)
 class Launcher:
-    """Builds, starts, watches and stops the children of one `pdserve up`."""
+    """Builds, starts and stops the children of one `pdserve up` (restarts after startup:
+    ``pdserve/supervise.py``)."""
 
     args: argparse.Namespace
     workdir: Path
@@ -209,17 +214,6 @@ class Launcher:
                     f"not healthy within {self.args.startup_timeout:.0f} s: {names}\n{tails}"
                 )
             self.stop_requested.wait(0.25)
-
-    def supervise(self) -> None:
-        """Until a stop is requested; LaunchError when a child dies meanwhile."""
-        while not self.stop_requested.wait(0.5):
-            for child in self.children:
-                status = child.exited()
-                if status is not None:
-                    raise LaunchError(
-                        f"{child.name} exited unexpectedly with status {status}; "
-                        f"last lines of {child.log_path}:\n{child.log_tail()}"
-                    )
 
     def stop_all(self, grace: float) -> None:
         """SIGTERM every process group (router first, store last), SIGKILL what outlives ``grace``."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import signal
 import subprocess
@@ -14,78 +12,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.procs import free_ports
+from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess, alive, descendants
 from tests.service_fixtures import REPO, child_env
-
-READY_TIMEOUT_S = 300.0
-SMALL = ("--kv-cache-memory", "32Mi", "--max-num-seqs", "8", "--torch-threads", "1")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (through /proc; children may be in other groups)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the comm field may contain spaces: ppid is the 2nd field after the closing ')'
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-class UpProcess:
-    """`python -m pdserve up ...` in its own session, output captured to a file."""
-
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.out_path = tmp_path / "up.out"
-        self.err_path = tmp_path / "up.err"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve", "up", *args],
-                cwd=REPO,
-                env=child_env(env),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace") + self.err_path.read_text(errors="replace")
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while needle not in self.output():
-            status = self.proc.poll()
-            assert status is None, (
-                f"pdserve up exited ({status}) before {needle!r}:\n{self.output()}"
-            )
-            assert time.monotonic() < deadline, (
-                f"no {needle!r} within {timeout} s:\n{self.output()}"
-            )
-            time.sleep(0.2)
-
-    def kill_tree(self) -> None:
-        """Test cleanup only: SIGKILL anything still running."""
-        for pid in descendants(self.proc.pid) | {self.proc.pid}:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
 
 
 def test_up_serves_a_completion_and_leaves_no_process(tmp_path: Path, tiny_model_dir: Path) -> None:
