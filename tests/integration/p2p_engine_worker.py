@@ -1,6 +1,9 @@
 """A producer engine with the p2p connector in its own process (for the engine-level tests).
 
-    python -m tests.integration.p2p_engine_worker MODEL PROMPT_JSON LEASE_S
+    python -m tests.integration.p2p_engine_worker MODEL PROMPT_JSON SETTINGS_JSON
+
+SETTINGS: ``KVStoreSettings`` fields besides ``connector`` (always p2p), e.g.
+``{"p2p_lease_s": 2}`` or ``{"kv_store": "fs", "kv_path": DIR}``.
 
 Prefills ``PROMPT`` (greedy, one token) with ``save_kv``; prints ``{first, transfer_id,
 address, held}`` the moment the engine reports the held save, keeps stepping (the blocks
@@ -20,16 +23,18 @@ import time
 
 
 def main() -> None:
-    model, prompt_json, lease_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    model, prompt_json, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     import torch
 
     torch.set_num_threads(1)
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from kv_store.p2p import P2PConnector
+    from kv_store.factory import KVStoreSettings, build_connector
 
-    connector = P2PConnector(lease_s=lease_s, timeout_s=20.0)
+    settings = {"p2p_timeout_s": 20.0, **settings, "connector": "p2p"}
+    connector = build_connector(KVStoreSettings(**settings))
+    assert connector is not None
     engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=64), connector)
     commands: queue.SimpleQueue[str] = queue.SimpleQueue()
 
@@ -51,6 +56,7 @@ def main() -> None:
             if out.kv_saved is not None:
                 saved = out.kv_saved
                 handle = {
+                    "keys": saved.block_keys,
                     "first": first,
                     "transfer_id": saved.transfer_id,
                     "address": saved.source_address,
@@ -60,7 +66,7 @@ def main() -> None:
                 print(json.dumps(handle), flush=True)
         time.sleep(0.002)
     load = engine.get_load()
-    p2p = dataclasses.asdict(connector.p2p_stats())
+    p2p = dataclasses.asdict(connector.p2p_stats())  # type: ignore[arg-type]
     done = {"released": True, "free_blocks": load.free_blocks, "total_blocks": load.total_blocks}
     print(json.dumps({**done, "p2p": p2p}), flush=True)
     while commands.get() != "quit":

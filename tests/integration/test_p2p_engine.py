@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 class Producer:
     """``p2p_engine_worker``: prefills PROMPT and holds its KV for a pull."""
 
-    def __init__(self, model: Path, lease_s: float = 30.0) -> None:
+    def __init__(self, model: Path, settings: dict[str, Any]) -> None:
         env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [
@@ -42,7 +42,7 @@ class Producer:
                 "tests.integration.p2p_engine_worker",
                 str(model),
                 json.dumps(PROMPT),
-                str(lease_s),
+                json.dumps(settings),
             ],
             cwd=REPO,
             env=env,
@@ -86,8 +86,8 @@ class Producer:
 def producer(tiny_model_dir: Path) -> Iterator[Any]:
     made: list[Producer] = []
 
-    def make(lease_s: float = 30.0) -> Producer:
-        p = Producer(tiny_model_dir, lease_s)
+    def make(**settings: Any) -> Producer:
+        p = Producer(tiny_model_dir, settings)
         made.append(p)
         return p
 
@@ -99,9 +99,9 @@ def producer(tiny_model_dir: Path) -> Iterator[Any]:
 
 
 def consume(
-    model: Path, handle: dict[str, Any], policy: str = "recompute"
+    model: Path, handle: dict[str, Any], policy: str = "recompute", connector: Any = None
 ) -> tuple[list[int], LLMEngine, str | None]:
-    connector = P2PConnector(timeout_s=20.0)
+    connector = connector or P2PConnector(timeout_s=20.0)
     engine = LLMEngine(
         EngineConfig(model=str(model), num_kv_blocks=64, kv_load_failure=policy), connector
     )
@@ -156,7 +156,7 @@ def test_prefill_abort_before_pull(producer: Any, tiny_model_dir: Path, policy: 
 
 
 def test_lease_expiry_frees_the_producer(producer: Any) -> None:
-    p = producer(lease_s=1.5)
+    p = producer(p2p_lease_s=1.5)
     handle = p.next()
     assert handle["held"]
     done = p.next(30)  # nobody pulls
