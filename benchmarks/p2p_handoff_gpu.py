@@ -178,7 +178,7 @@ def main() -> None:
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
-            f"| {r['connector']} | {r["kv_mib"]:.1f} | {r['load_ms_p50']} | {r['load_gb_s']} | "
+            f"| {r['connector']} | {r['kv_mib']:.1f} | {r['load_ms_p50']} | {r['load_gb_s']} | "
             f"{r['token2_ms_p50']} | {r['itl_ms_p50']} | {r['added_ms_p50']} |"
         )
     table = "\n".join(lines)
