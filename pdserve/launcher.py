@@ -196,6 +196,8 @@ def build_plan(
     router = launcher.add(
         "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
     )
+    if args.api_key:  # by environment: argv is visible to every user of the machine (ps)
+        router.env_extra["PDSERVE_API_KEY"] = args.api_key
     logger.info("%d engine process(es), %d torch thread(s) each", num_engines, threads)
     return ([store] if store else []), [*services, router], launcher.child_env(threads)
 
@@ -320,6 +322,10 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ),
     ("--kv-ttl", {"help": "seconds a stored block lives"}),
     ("--host", {"default": "127.0.0.1", "help": "router listen address"}),
+    (
+        "--api-key",
+        {"default": "", "help": "clients must send 'Authorization: Bearer KEY' (comma: several)"},
+    ),
     ("--port", {"type": positive_int, "default": 8000, "help": "router port"}),
     ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
     ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),

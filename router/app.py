@@ -28,20 +28,40 @@ from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
 
 
-class GuardMiddleware:
-    """API keys (Bearer, 401) on ``/v1/*`` and the body-size limit (413), before parsing.
+def key_matches(header: bytes, keys: list[bytes]) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <one of keys>`` (constant-time
+    comparison, so the time taken says nothing about how much of a key matched)."""
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not token:
+        return False
+    return any(hmac.compare_digest(token.strip(), key) for key in keys)
 
-    Checked ahead of FastAPI so that an unauthenticated or oversized request never reaches
-    JSON decoding or validation.
+
+class GuardMiddleware:
+    """API keys (Bearer, 401) and the body-size limit (413), before parsing.
+
+    With keys set, every path needs one except ``/health`` (probes cannot send one; it then
+    tells unauthenticated callers no more than probes need) and ``/metrics`` when
+    ``public_metrics`` (for scrapers that cannot send one). That covers ``/docs`` and
+    ``/openapi.json`` too, and unknown paths, so that a caller without a key learns nothing
+    about the routes. Checked ahead of FastAPI so that an unauthenticated or oversized
+    request never reaches JSON decoding or validation.
     """
 
     def __init__(
-        self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int, metrics: RouterMetrics
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: list[str],
+        max_body_bytes: int,
+        metrics: RouterMetrics,
+        public_metrics: bool = False,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,8 +71,8 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if (
             self.api_keys
-            and path.startswith("/v1")
-            and not self._authorized(headers.get(b"authorization", b""))
+            and path not in self.open_paths
+            and not key_matches(headers.get(b"authorization", b""), self.api_keys)
         ):
             body = error_body(
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -85,12 +105,6 @@ class GuardMiddleware:
                 more = message.get("more_body", False)
             receive = _replay(b"".join(chunks), receive)
         await self.app(scope, receive, send)
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token:
-            return False
-        return any(hmac.compare_digest(token.strip(), key) for key in self.api_keys)
 
     async def _too_large(self, send: Send) -> None:
         self.metrics.requests.labels("invalid").inc()
@@ -172,6 +186,7 @@ def create_app(
         api_keys=settings.api_keys,
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
+        public_metrics=settings.public_metrics,
     )
     _add_routes(app, deps)
     return app
@@ -210,16 +225,21 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
             )
         return model_card(model)
 
+    keys = [k.encode() for k in deps.settings.api_keys]
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """200/503 for probes; the instances' addresses and errors only without API keys or
+        for a caller that sends one (they are internal addresses)."""
         orch = deps.orchestrator
         ready = orch.ready()
-        body = {
-            "status": "ok" if ready else "unavailable",
-            "mode": orch.mode,
-            "prefill": orch.prefill_pool.status(),
-            "decode": orch.decode_pool.status(),
-        }
+        pools = {"prefill": orch.prefill_pool.status(), "decode": orch.decode_pool.status()}
+        header = request.headers.get("authorization", "").encode()
+        if keys and not key_matches(header, keys):
+            pools = {
+                role: {"healthy": p["healthy"], "total": p["total"]} for role, p in pools.items()
+            }
+        body = {"status": "ok" if ready else "unavailable", "mode": orch.mode, **pools}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

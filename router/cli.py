@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from common.flags import add_env_argument, non_negative_int, positive_int
+from common.flags import add_env_argument, add_env_switch, non_negative_int, positive_int
 from router.discovery import (
     DnsDiscovery,
     EndpointSliceDiscovery,
@@ -117,7 +117,13 @@ def add_router_arguments(parser: argparse.ArgumentParser | Any) -> None:
         g,
         "--api-key",
         default="",
-        help="require 'Authorization: Bearer KEY' (comma-separated for several keys)",
+        help="require 'Authorization: Bearer KEY' on every path but /health "
+        "(comma-separated for several keys)",
+    )
+    add_env_switch(
+        g,
+        "--public-metrics",
+        help="serve /metrics without the API key (for scrapers that cannot send one)",
     )
     add_env_argument(
         g,
@@ -204,6 +210,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         served_model_names=names,
         mode=args.mode,
         api_keys=_csv(args.api_key),
+        public_metrics=args.public_metrics,
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,

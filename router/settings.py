@@ -10,13 +10,15 @@ class RouterSettings:
     """Everything the app needs besides its pools and tokenizer.
 
     ``served_model_names``: names clients may pass as ``model`` (the first is reported).
-    ``api_keys``: empty = no authentication. ``max_prompt_tokens`` None = the model's
+    ``api_keys``: empty = no authentication; else every path but ``/health`` needs one
+    (and ``/metrics`` unless ``public_metrics``). ``max_prompt_tokens`` None = the model's
     context length. ``max_concurrent_requests`` 0 = unlimited (else 429 beyond it).
     """
 
     served_model_names: list[str]
     mode: str = "disaggregated"
     api_keys: list[str] = field(default_factory=list)
+    public_metrics: bool = False
     max_prompt_tokens: int | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 600.0

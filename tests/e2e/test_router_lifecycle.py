@@ -189,11 +189,12 @@ def test_api_key_and_concurrency_limit(stack: Stack, tmp_path: Path) -> None:
         with pytest.raises(openai.RateLimitError):
             complete(client, max_tokens=2)
         long_stream.close()
+        auth = {"Authorization": "Bearer sesame"}  # instance details need the key
         wait_for(
             lambda: (
-                httpx.get(f"{router.url}/health", timeout=10).json()["decode"]["instances"][
-                    stack.decode.address
-                ]["inflight"]
+                httpx.get(f"{router.url}/health", headers=auth, timeout=10).json()["decode"][
+                    "instances"
+                ][stack.decode.address]["inflight"]
                 == 0
             ),
             30,

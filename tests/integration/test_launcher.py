@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdserve.procs import free_ports
@@ -91,7 +92,8 @@ def test_up_rejects_impossible_layouts(tmp_path: Path, args: tuple[str, ...], ne
 
 
 def test_up_colocated_replicas(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`--mode colocated --prefill 0 --decode 2`: two decode replicas, no prefill, no store."""
+    """`--mode colocated --prefill 0 --decode 2`: two decode replicas, no prefill, no
+    store; `--api-key` reaches the router (by environment) and guards it."""
     import openai
 
     (port,) = free_ports(1)
@@ -107,7 +109,7 @@ def test_up_colocated_replicas(tmp_path: Path, tiny_model_dir: Path) -> None:
         "--decode",
         "2",
     )
-    up = UpProcess(tmp_path, *args, *SMALL)
+    up = UpProcess(tmp_path, *args, "--api-key", "sesame", *SMALL)
     try:
         up.wait_for("pdserve is ready", READY_TIMEOUT_S)
         logs = Path(re.search(r"logs in (\S+)", up.output()).group(1))  # type: ignore[union-attr]
@@ -116,9 +118,16 @@ def test_up_colocated_replicas(tmp_path: Path, tiny_model_dir: Path) -> None:
             "decode-1.log",
             "router.log",
         ]
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0
-        )
+        base_url = f"http://127.0.0.1:{port}/v1"
+        # The key reaches the router by environment, never on a command line.
+        for pid in descendants(up.proc.pid):
+            assert b"sesame" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        wrong = openai.OpenAI(base_url=base_url, api_key="wrong", timeout=60, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 401
+        assert "instances" not in httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).text
+        client = openai.OpenAI(base_url=base_url, api_key="sesame", timeout=60, max_retries=0)
         texts = {
             client.completions.create(
                 model=str(tiny_model_dir),

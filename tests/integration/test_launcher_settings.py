@@ -94,6 +94,12 @@ def test_up_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         args.port,
         args.host,
     ) == ("smollm2", None, 1, "fs", "disaggregated", 8000, "127.0.0.1")
+    assert (args.api_key, args.max_restarts) == ("", 5)
+
+
+def test_up_api_key_and_its_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse(["up"], monkeypatch, {"PDSERVE_API_KEY": "from-env"}).api_key == "from-env"
+    assert parse(["up", "--api-key", "k1,k2"], monkeypatch, {}).api_key == "k1,k2"
 
 
 def test_fair_thread_share() -> None:

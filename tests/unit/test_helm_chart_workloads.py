@@ -349,3 +349,16 @@ def test_pods_run_unprivileged() -> None:
         assert spec["securityContext"]["runAsNonRoot"] is True
         for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_router_metrics_stay_scrapable_unless_asked() -> None:
+    """With an API key the router guards /metrics, which the autoscaler and a
+    ServiceMonitor scrape without one: the chart leaves it open unless told otherwise."""
+    objs = render(ci("default"), sets=("router.apiKey.existingSecret=keys",))
+    env = env_of(container(find(objs, "Deployment", f"{RELEASE}-pdserve-router"), "router"))
+    assert env["PDSERVE_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "api-key"}}
+    assert env["PDSERVE_PUBLIC_METRICS"] == "true"
+    sets = ("router.apiKey.existingSecret=keys", "router.apiKey.publicMetrics=false")
+    objs = render(ci("default"), sets=sets)
+    env = env_of(container(find(objs, "Deployment", f"{RELEASE}-pdserve-router"), "router"))
+    assert "PDSERVE_PUBLIC_METRICS" not in env

@@ -235,9 +235,30 @@ def test_api_key(tiny_model_dir: Path) -> None:
         )
         assert_error(c.post(COMP, json=body, headers={"Authorization": "Bearer k2"}), 503)
         assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
-        # Probes stay open.
-        assert c.get("/health").status_code == 503
+        # Everything but /health needs the key: metrics, the schema, the docs, unknown paths.
+        for path in ("/metrics", "/openapi.json", "/docs", "/redoc", "/nothing"):
+            assert_error(c.get(path), 401)
+        ok = c.get("/metrics", headers={"Authorization": "Bearer k2"})
+        assert ok.status_code == 200 and "pdserve_requests_total" in ok.text
+        assert c.get("/openapi.json", headers={"Authorization": "Bearer k1"}).status_code == 200
+        # Probes stay open, but learn no internal addresses without the key.
+        health = c.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {
+            "status": "unavailable",
+            "mode": "disaggregated",
+            "prefill": {"healthy": 0, "total": 0},
+            "decode": {"healthy": 0, "total": 0},
+        }
+        detailed = c.get("/health", headers={"Authorization": "Bearer k1"}).json()
+        assert detailed["decode"] == {"healthy": 0, "total": 0, "instances": {}}
+
+
+def test_public_metrics_leaves_only_metrics_open(tiny_model_dir: Path) -> None:
+    with TestClient(build_app(tiny_model_dir, api_keys=["k"], public_metrics=True)) as c:
         assert c.get("/metrics").status_code == 200
+        assert_error(c.get("/openapi.json"), 401)
+        assert_error(c.get("/v1/models"), 401)
 
 
 def test_models_and_health(client: TestClient) -> None:
