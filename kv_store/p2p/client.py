@@ -85,8 +85,9 @@ class PeerLink:
                 self._jobs.put(job)
             return self._accepting
 
-    def close(self) -> None:
-        """Fail queued pulls as "closed" and stop the thread (the current pull runs out)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Fail queued pulls as "closed", stop the thread (the current pull fails fast: its
+        socket is shut) and wait up to ``timeout_s`` for it to tear its group down."""
         with self._lock:
             self._accepting = False
         self._jobs.put(None)
@@ -94,6 +95,8 @@ class PeerLink:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         try:

@@ -12,7 +12,6 @@ new one under a new pair id.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import socket
@@ -47,8 +46,12 @@ def device_identity(device: torch.device) -> dict[str, Any]:
     ident: dict[str, Any] = {"type": device.type, "nccl": False, "uuid": ""}
     if device.type == "cuda":
         ident["nccl"] = bool(dist.is_nccl_available())
-        with contextlib.suppress(Exception):  # older drivers / builds lack the UUID
-            ident["uuid"] = str(torch.cuda.get_device_properties(device).uuid)
+        props = torch.cuda.get_device_properties(device)
+        uuid = str(getattr(props, "uuid", "") or "")
+        if not uuid:  # older builds: the PCI location, which is unique on this host
+            loc = [getattr(props, f"pci_{k}_id", "?") for k in ("domain", "bus", "device")]
+            uuid = f"{socket.gethostname()}/" + ":".join(map(str, loc))
+        ident["uuid"] = uuid
     return ident
 
 

@@ -75,6 +75,7 @@ class PullServer:
         self._store_address = join_address(advertise_host or host, self._store.port)
         self._lock = threading.Lock()
         self._peers: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kv-p2p-accept", daemon=True)
         self._thread.start()
@@ -91,8 +92,10 @@ class PullServer:
                     sock.close()
                     return
                 self._peers.add(sock)
-            name = f"kv-p2p-serve-{peer[0]}:{peer[1]}"
-            threading.Thread(target=self._serve, args=(sock,), name=name, daemon=True).start()
+                name = f"kv-p2p-serve-{peer[0]}:{peer[1]}"
+                thread = threading.Thread(target=self._serve, args=(sock,), name=name, daemon=True)
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
         group: PairGroup | None = None
@@ -116,6 +119,7 @@ class PullServer:
                 self._counters.pair(made=False)
             with self._lock:
                 self._peers.discard(sock)
+                self._threads.discard(threading.current_thread())
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -196,13 +200,20 @@ class PullServer:
             if not ended:
                 self._leases.unpin(lease, None)  # still held: expiry (or an abort) ends it
 
-    def close(self) -> None:
-        """Stop accepting, drop every peer connection (their threads end their groups)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, drop every peer connection and wait (up to ``timeout_s``) for their
+        threads to tear their groups down: a process group destroyed by interpreter exit
+        while its thread still runs aborts the process."""
         with self._lock:
             self._closed = True
-            peers = list(self._peers)
+            peers, threads = list(self._peers), list(self._threads)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         for sock in peers:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+        end = time.monotonic() + timeout_s
+        for thread in [self._thread, *threads]:
+            thread.join(max(0.0, end - time.monotonic()))

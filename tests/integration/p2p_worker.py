@@ -71,6 +71,8 @@ def main() -> None:
     torch.set_num_threads(1)
     layout = KvLayout(**cfg["layout"])
     device = cfg.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # NCCL binds to the current device
     if cfg.get("slow_tag") is not None:
         _slow_sends(int(cfg["slow_tag"]), float(cfg["slow_s"]), cfg["marker"])
     kv = make_cache(layout, cfg["num_blocks"], cfg["seed"], device)
