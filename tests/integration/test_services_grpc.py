@@ -181,6 +181,22 @@ def test_text_and_logprobs_are_streamed(stubs) -> None:
             ),
             "max_tokens",
         ),
+        # Values the wire types allow but the engine cannot use.
+        *(
+            (pb.DecodeRequest(prompt_token_ids=[5, 6], params=params), needle)
+            for params, needle in [
+                (pb.SamplingParams(max_tokens=3, temperature=float("nan")), "temperature"),
+                (pb.SamplingParams(max_tokens=3, temperature=float("inf")), "temperature"),
+                (pb.SamplingParams(max_tokens=3, repetition_penalty=float("inf")), "repetition"),
+                (pb.SamplingParams(max_tokens=3, repetition_penalty=float("nan")), "repetition"),
+                (pb.SamplingParams(max_tokens=3, stop_token_ids=[2, 999_999]), "stop_token_ids"),
+                (pb.SamplingParams(max_tokens=3, stop_token_ids=[2**32 - 1]), "stop_token_ids"),
+                (pb.SamplingParams(max_tokens=3, seed=2**64 - 1), "seed"),
+                (pb.SamplingParams(max_tokens=3, logprobs=2**32 - 1), "logprobs"),
+                (pb.SamplingParams(max_tokens=3, top_k=-(2**31)), "top_k"),
+                (pb.SamplingParams(max_tokens=3, min_p=float("nan")), "min_p"),
+            ]
+        ),
     ],
 )
 def test_decode_rejects_bad_input(stubs, request_msg: pb.DecodeRequest, needle: str) -> None:

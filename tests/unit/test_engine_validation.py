@@ -30,6 +30,8 @@ def engine(tiny_model_dir: Path) -> Any:
         ({"max_tokens": -3}, r"max_tokens must be an integer >= 1"),
         ({"max_tokens": 2.5}, r"max_tokens must be an integer >= 1"),
         ({"temperature": -0.1}, r"temperature must be >= 0"),
+        ({"temperature": float("nan")}, r"temperature must be >= 0 and finite"),
+        ({"temperature": float("inf")}, r"temperature must be >= 0 and finite"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
         ({"top_p": -0.5}, r"top_p must be in \(0, 1\]"),
@@ -39,6 +41,8 @@ def engine(tiny_model_dir: Path) -> Any:
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"repetition_penalty": 0.0}, r"repetition_penalty must be > 0"),
+        ({"repetition_penalty": float("nan")}, r"repetition_penalty must be > 0 and finite"),
+        ({"repetition_penalty": float("inf")}, r"repetition_penalty must be > 0 and finite"),
         ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
         ({"seed": -1}, r"seed must be in \[0, 2\*\*63\)"),
         ({"stop": [""]}, r"stop must be a list of non-empty strings"),
@@ -133,6 +137,11 @@ def test_max_model_len_above_model_limit(tiny_model_dir: Path) -> None:
         (list(range(100, 300)), SamplingParams(), r"prompt has 200 tokens; the maximum is 63"),
         ([5, 49152], SamplingParams(), r"token ids must be in \[0, 49152\)"),
         ([5, -1], SamplingParams(), r"token ids must be in \[0, 49152\)"),
+        (
+            [5, 6],
+            SamplingParams(stop_token_ids=[2, 49152]),
+            r"stop_token_ids must be in \[0, 49152\), got \[49152\]",
+        ),
     ],
 )
 def test_add_request_rejects(
