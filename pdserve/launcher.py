@@ -49,9 +49,19 @@ from pdserve.workdir import make_workdir, remove_stale_workdirs
 logger = logging.getLogger(__name__)
 
 
-def _store_child(launcher: Launcher, args: argparse.Namespace) -> tuple[list[str], Child | None]:
+def _store_child(
+    launcher: Launcher, args: argparse.Namespace, kind: str | None = None
+) -> tuple[list[str], Child | None]:
     """The connector flags for the services, and the store process to start (if any)."""
-    kind = args.connector
+    kind = kind or args.connector
+    if kind == "p2p":  # peer to peer; with --kv-store, a store beside it (started as usual)
+        p2p = ["--connector", "p2p"]
+        p2p += ["--p2p-lease-seconds", args.p2p_lease_seconds] if args.p2p_lease_seconds else []
+        p2p += ["--p2p-timeout", args.p2p_timeout] if args.p2p_timeout else []
+        if args.kv_store in (None, "", "none"):
+            return p2p, None
+        flags, child = _store_child(launcher, args, args.kv_store)
+        return [*p2p, "--kv-store", args.kv_store, *flags[2:]], child
     if kind == "fs":
         path = args.kv_path or str(launcher.workdir / "kv")
         return ["--connector", "fs", "--kv-path", path], None
@@ -88,9 +98,8 @@ def _connector_flags(
 ) -> tuple[list[str], Child | None]:
     """``_store_child`` plus the store bounds (``--kv-ttl``, ``--kv-capacity``) to pass on."""
     flags, child = _store_child(launcher, args)
-    capacity = args.kv_capacity or (
-        LMCACHE_DEFAULT_CAPACITY if args.connector == "lmcache" else None
-    )
+    store = args.kv_store if args.connector == "p2p" else args.connector
+    capacity = args.kv_capacity or (LMCACHE_DEFAULT_CAPACITY if store == "lmcache" else None)
     if capacity:
         flags += ["--kv-capacity", capacity]
     if args.kv_ttl:
@@ -312,7 +321,20 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             "help": "router mode",
         },
     ),
-    ("--connector", {"default": "fs", "choices": ["fs", "redis", "lmcache"], "help": "KV store"}),
+    (
+        "--connector",
+        {"default": "fs", "choices": ["fs", "redis", "lmcache", "p2p"], "help": "KV handoff"},
+    ),
+    (
+        "--kv-store",
+        {
+            "default": "none",
+            "choices": ["none", "fs", "redis", "lmcache"],
+            "help": "with --connector p2p: a store beside it (prefix reuse, fallback)",
+        },
+    ),
+    ("--p2p-lease-seconds", {"help": "p2p: how long a prefill holds blocks for the pull"}),
+    ("--p2p-timeout", {"help": "p2p: deadline of one pull, seconds"}),
     ("--kv-path", {"help": "fs store directory (default: a temporary one, removed at exit)"}),
     ("--redis-url", {"help": "use this Redis instead of starting redis-server"}),
     ("--lmcache-url", {"help": "use this LMCache server instead of starting lmcache_server"}),
