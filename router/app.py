@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,8 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rpc import LegContext
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
+
+logger = logging.getLogger(__name__)
 
 
 def key_matches(header: bytes, keys: list[bytes]) -> bool:
@@ -104,7 +107,27 @@ class GuardMiddleware:
                 chunks.append(chunk)
                 more = message.get("more_body", False)
             receive = _replay(b"".join(chunks), receive)
-        await self.app(scope, receive, send)
+        await self._guarded(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; a bug before the response started is answered 500 here. Left to
+        the server, it would answer 500 too but then close the connection, and the
+        client's next request on that keep-alive connection would fail."""
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:
+                raise  # mid-response: nothing sensible can follow on this connection
+            logger.exception("unhandled error in router: %s", exc)
+            body = error_body(f"internal error: {type(exc).__name__}", "internal_server_error")
+            await _send_json(send, 500, body, {})
 
     async def _too_large(self, send: Send) -> None:
         self.metrics.requests.labels("invalid").inc()

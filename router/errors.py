@@ -7,6 +7,7 @@ turned into 400s with that body, because OpenAI clients expect 400 for bad reque
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,14 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON response with non-ASCII escaped: an error message may quote client text,
+    and text that is not valid Unicode (a lone surrogate) would fail UTF-8 encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -93,28 +102,28 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None] | None =
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return ErrorResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         if on_invalid is not None:
             on_invalid()
         message, param = _validation_message(exc)
-        return JSONResponse(
+        return ErrorResponse(
             error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = _TYPES.get(exc.status_code, "invalid_request_error")
-        return JSONResponse(
+        return ErrorResponse(
             error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in router: %s", exc)
-        return JSONResponse(
+        return ErrorResponse(
             error_body(f"internal error: {type(exc).__name__}", "internal_server_error"),
             status_code=500,
         )

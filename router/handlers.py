@@ -146,6 +146,13 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
             code="model_not_found",
         )
     params = chat_params(req) if isinstance(req, ChatCompletionRequest) else completion_params(req)
+    vocab = deps.processor.shape.vocab_size
+    if vocab and any(t >= vocab for t in params.stop_token_ids):
+        raise bad_request(
+            f"stop_token_ids: {max(params.stop_token_ids)} is outside the vocabulary "
+            f"(size {vocab})",
+            "stop_token_ids",
+        )
     prompts = await _prompts_of(deps, req)
     limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
     deps.orchestrator.check_available()

@@ -21,6 +21,39 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 SEED_SPACE = 2**63  # the engine's seeded sampler takes seeds in [0, 2**63)
+# The wire types of SamplingParams (proto): larger values cannot even be serialized.
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+
+def reject_surrogates(data: Any) -> None:
+    """ValueError naming the first string (value or key) of a JSON body that holds a lone
+    UTF-16 surrogate (JSON ``"\ud800"``): such text cannot be encoded as UTF-8, so the
+    tokenizer, the gRPC messages and even an error body echoing it would fail. Walks
+    iteratively, so deep nesting costs no recursion."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            items: list[tuple[str, Any]] = []
+            strings = [value]
+        elif isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            strings = [k for k in value if isinstance(k, str)]
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            strings = []
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{path or 'body'}: contains a lone UTF-16 surrogate; text must be valid "
+                    "Unicode"
+                ) from None
+        stack.extend(reversed(items))
 
 
 class StreamOptions(BaseModel):
@@ -37,11 +70,11 @@ class _CommonRequest(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -59,6 +92,12 @@ class _CommonRequest(BaseModel):
     guided_grammar: str | None = None
     guided_json: dict[str, Any] | str | None = None
     response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        reject_surrogates(data)
+        return data
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:

@@ -94,6 +94,10 @@ def test_valid_request_with_empty_pools_is_503(
         (COMP, {"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
         (COMP, {"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
         (COMP, {"model": MODEL, "prompt": "x", "top_k": -2}, "top_k"),
+        (COMP, {"model": MODEL, "prompt": "x", "top_k": 2**31}, "top_k"),  # past int32
+        (COMP, {"model": MODEL, "prompt": "x", "stop_token_ids": [2**32]}, "stop_token_ids.0"),
+        (COMP, {"model": MODEL, "prompt": "x", "stop_token_ids": [49152]}, "stop_token_ids"),
+        (COMP, {"model": MODEL, "prompt": "x", "n": 2**64}, "n"),
         (COMP, {"model": MODEL, "prompt": "x", "min_p": 1.5}, "min_p"),
         (COMP, {"model": MODEL, "prompt": "x", "n": 0}, "n"),
         (COMP, {"model": MODEL, "prompt": "x", "n": True}, "n"),
@@ -156,6 +160,26 @@ def test_bad_request_is_400_with_openai_body(
 ) -> None:
     err = assert_error(client.post(url, json=body), 400, param)
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("url", "raw", "where"),
+    [
+        (COMP, rb'{"model": "tiny", "prompt": "a\ud800"}', "prompt"),
+        (COMP, rb'{"model": "tiny", "prompt": ["ok", "\udfff"]}', "prompt[1]"),
+        (COMP, rb'{"model": "t\ud800", "prompt": "x"}', "model"),
+        (COMP, rb'{"model": "tiny", "prompt": "x", "guided_json": {"\ud800": 1}}', "guided_json"),
+        (
+            CHAT,
+            rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}',
+            "messages[0].content",
+        ),
+    ],
+)
+def test_lone_surrogate_is_400(client: TestClient, url: str, raw: bytes, where: str) -> None:
+    resp = client.post(url, content=raw, headers={"content-type": "application/json"})
+    err = assert_error(resp, 400)
+    assert err["message"].startswith(f"{where}: contains a lone UTF-16 surrogate"), err
 
 
 def test_malformed_json_is_400(client: TestClient) -> None:
