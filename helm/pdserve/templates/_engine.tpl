@@ -88,6 +88,13 @@ spec:
             - name: PDSERVE_KV_LOAD_FAILURE
               value: {{ $pool.kvLoadFailure | quote }}
             {{- end }}
+            {{- if eq $root.Values.connector.type "p2p" }}
+            # Where decode pods pull this pod's KV from (it goes into the handles).
+            - name: PDSERVE_P2P_HOST
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- end }}
             - name: HOME
               value: /tmp
             {{- with $pool.extraEnv }}
@@ -100,6 +107,11 @@ spec:
             - name: metrics
               containerPort: 9090
               protocol: TCP
+            {{- if eq $root.Values.connector.type "p2p" }}
+            - name: p2p
+              containerPort: {{ $root.Values.connector.p2p.port }}
+              protocol: TCP
+            {{- end }}
           startupProbe:
             grpc:
               port: 50051
@@ -129,7 +141,7 @@ spec:
             # Shared memory for torch (the default 64Mi /dev/shm is too small).
             - name: dshm
               mountPath: /dev/shm
-            {{- if eq $root.Values.connector.type "fs" }}
+            {{- if eq (include "pdserve.storeKind" $root) "fs" }}
             - name: kv
               mountPath: {{ $root.Values.connector.fs.mountPath }}
             {{- end }}
@@ -141,7 +153,7 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: 8Gi
-        {{- if eq $root.Values.connector.type "fs" }}
+        {{- if eq (include "pdserve.storeKind" $root) "fs" }}
         - name: kv
           persistentVolumeClaim:
             claimName: {{ include "pdserve.kvClaimName" $root }}

@@ -149,6 +149,11 @@ app.kubernetes.io/part-of: pdserve
 {{- end }}
 {{- end }}
 
+{{/* The store in use: connector.type, or with p2p the store beside it ("none": p2p alone). */}}
+{{- define "pdserve.storeKind" -}}
+{{- if eq .Values.connector.type "p2p" }}{{ .Values.connector.p2p.store }}{{ else }}{{ .Values.connector.type }}{{ end }}
+{{- end }}
+
 {{/* Claim name of the shared fs KV volume. */}}
 {{- define "pdserve.kvClaimName" -}}
 {{- default (include "pdserve.componentName" (dict "root" . "component" "kv")) .Values.connector.fs.existingClaim }}
