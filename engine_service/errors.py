@@ -5,7 +5,9 @@ RPC answers the same way:
 
 - ``IncompatibleKvHandle`` (handle from another model / dtype / layout) → FAILED_PRECONDITION,
   which the router answers by recomputing the prompt on decode instead of failing the client
-- ``ValueError`` (bad prompt, bad sampling parameters) → INVALID_ARGUMENT
+- ``ValueError`` (bad prompt, bad sampling parameters) → INVALID_ARGUMENT, and so does a
+  request that cannot even be parsed (e.g. a string field that is not UTF-8), which gRPC
+  would otherwise answer UNKNOWN
 - ``EngineFull`` → RESOURCE_EXHAUSTED
 - ``ServiceUnavailable`` (draining, KV save/load failed), ``KVStoreError``, ``KVRecordError``,
   ``ConnectionError``, and the types passed as ``unavailable`` (the engine's
@@ -71,6 +73,35 @@ def status_for(
 OutcomeRecorder = Callable[[str, str], None]
 
 
+class _Unparsable:
+    """Stands in for a request whose bytes did not parse; the handler refuses it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that returns ``_Unparsable`` instead of raising: an exception here
+    would end the call with UNKNOWN before any handler (or this interceptor) runs."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin
+            return _Unparsable(exc)
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, _Unparsable):
+        raise ValueError(f"the request could not be parsed: {request.error}")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary-unary and unary-stream handler with the mapping above."""
 
@@ -95,13 +126,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(rpc, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(rpc, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -109,6 +140,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, rpc: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                _check_parsed(request)
                 response = await behavior(request, context)
             except BaseException as exc:
                 await self._fail(rpc, exc, context)
@@ -121,6 +153,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, rpc: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                _check_parsed(request)
                 async for item in behavior(request, context):
                     yield item
             except BaseException as exc:

@@ -341,3 +341,18 @@ def test_health_reports_serving(pd_services: PDServices) -> None:
             for service in ("", name):
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_invalid_utf8_in_a_string_field_is_invalid_argument(pd_services: PDServices) -> None:
+    """proto3 strings must be UTF-8; a message that is not cannot even be parsed."""
+    raw = pb.DecodeRequest(
+        prompt_token_ids=[5, 6], params=pb.SamplingParams(max_tokens=3, stop=["AB"])
+    ).SerializeToString()
+    assert raw.count(b"AB") == 1
+    with grpc.insecure_channel(pd_services.decode.address) as channel:
+        call = channel.unary_stream(
+            "/pdserve.v1.DecodeService/Decode", response_deserializer=pb.DecodeChunk.FromString
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(raw.replace(b"AB", b"\xff\xfe"), timeout=RPC_TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
