@@ -46,6 +46,7 @@ class LinkConfig:
     kv: torch.Tensor
     hello: dict[str, Any]  # layout, fingerprint, device identity, wanted backend
     batch_bytes: int
+    timeout_s: float = 10.0  # one pull's deadline; also bounds each NCCL operation
 
 
 class PeerLink:
@@ -188,8 +189,9 @@ class PeerLink:
             raise PeerError(f"p2p store {host}:{port} unreachable: {e}") from None
         backend = str(reply["backend"])
         local_host = sock.getsockname()[0]
+        pair_id, timeout = str(reply["pair_id"]), self._config.timeout_s
         self._group = PairGroup.create(
-            self._store, str(reply["pair_id"]), 1, backend, local_host, deadline
+            self._store, pair_id, 1, backend, local_host, deadline, timeout
         )
         self._counters.pair(made=True)
         mover = BlockMover(self._config.kv, backend, self._config.batch_bytes)

@@ -148,7 +148,7 @@ class P2PConnector(KVConnector):
             "device": identity,
             "backend": self.backend,
         }
-        self._link_config = LinkConfig(kv_cache, hello, self.batch_bytes)
+        self._link_config = LinkConfig(kv_cache, hello, self.batch_bytes, self.timeout_s)
 
     # -- scheduler side ---------------------------------------------------------------------
     def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:

@@ -12,10 +12,14 @@ new one under a new pair id.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,29 @@ from kv_store.p2p.wire import PeerError, remaining
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
+# ProcessGroupNCCL reads its error handling from the environment when it is built. The
+# default tears the whole process down when a peer dies or an operation times out; a
+# serving process must survive a lost peer, so our groups are built with none: every wait
+# here has a deadline, and a failed pair is aborted (``PairGroup.close``).
+_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` while a group is built, then restore: other process groups of this
+    process (tensor parallelism, ...) keep their own settings."""
+    with _env_lock:
+        old = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -103,17 +130,21 @@ class PairGroup:
         backend: str,
         host: str,
         deadline: float,
+        op_timeout_s: float = 30.0,
     ) -> PairGroup:
         """Join the pair's group; blocks until the peer joins too (both call this at about
-        the same time, right after the handshake) or the deadline passes."""
+        the same time, right after the handshake) or the deadline passes. ``op_timeout_s``
+        bounds each NCCL operation for NCCL's own watchdog (NCCL connects lazily, at the
+        first send); gloo connects here, within the deadline."""
         prefix = dist.PrefixStore(f"pdserve-p2p/{pair_id}", store)
         timeout = _timedelta(remaining(deadline))
         pg: Any
         try:
             if backend == "nccl":
                 nccl_opts = dist.ProcessGroupNCCL.Options()
-                nccl_opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(prefix, rank, 2, nccl_opts)
+                nccl_opts._timeout = _timedelta(op_timeout_s)
+                with _scoped_env(_NCCL_ENV):
+                    pg = dist.ProcessGroupNCCL(prefix, rank, 2, nccl_opts)
             else:
                 gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 gloo_opts._devices = [_gloo_device(host)]

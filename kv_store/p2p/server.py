@@ -154,7 +154,9 @@ class PullServer:
         }
         send_msg(sock, reply, deadline)
         local_host = sock.getsockname()[0]  # the interface this peer reaches us on
-        group = PairGroup.create(self._store, pair_id, 0, backend, local_host, deadline)
+        group = PairGroup.create(
+            self._store, pair_id, 0, backend, local_host, deadline, cfg.timeout_s
+        )
         self._counters.pair(made=True)
         return group, mover
 
