@@ -2,7 +2,8 @@
 
 - One GPU: both processes on cuda:0. NCCL refuses two ranks on one device, so ``auto`` picks
   gloo (staged through pinned host memory), and a forced ``nccl`` is refused with a reason.
-- Two GPUs or more: prefill on cuda:0, decode on cuda:1, over NCCL (``auto`` picks it).
+- Two GPUs or more: prefill on cuda:0, decode on cuda:1, over NCCL (``auto`` picks it);
+  and a decode killed mid-transfer leaves the prefill process serving.
 
 Each case moves bfloat16 blocks in several batches and checks them bit for bit. Runs under
 pytest (``-m gpu``) or, on a machine that has only torch, as a script:
@@ -60,6 +61,38 @@ def check_two_gpus(log_dir: Path) -> None:
     )
 
 
+def check_nccl_peer_loss(log_dir: Path) -> None:
+    """A decode process killed mid-transfer must not take the prefill process with it (NCCL's
+    default error handling would): the prefill frees at lease end and serves a new peer."""
+    from tests.integration.p2p_support import wait_for
+
+    marker = log_dir / "sending"
+    common = {"layout": GPU_LAYOUT, "num_blocks": 48, "batch_bytes": 8 << 20}
+    slow = {"lease_s": 5.0, "slow_tag": 1, "slow_s": 2.0, "marker": str(marker)}
+    prefill = Worker(log_dir, "prefill-loss", seed=1, device="cuda:0", **slow, **common)
+    decode = Worker(log_dir, "decode-loss", seed=2, device="cuda:1", **common)
+    try:
+        offer = prefill.offer("lost", SRC)
+        decode.send("pull", **decode.pull_args(prefill, offer, "lost", SRC, DST))
+        wait_for(marker, 60)
+        decode.kill()
+        stats = prefill.call("wait_released", count=1, timeout=60)
+        assert stats["releases"][0]["reason"] == "expired", stats
+        assert stats["p2p"]["blocks_held"] == 0, stats
+        marker.unlink()
+        again = Worker(log_dir, "decode-again", seed=3, device="cuda:1", **common)
+        try:
+            offer = prefill.offer("next", SRC)
+            args = again.pull_args(prefill, offer, "next", SRC, DST)
+            got = again.call("pull", timeout=180, **args)
+            assert got["ok"] and got["equal"], got
+        finally:
+            again.stop()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 try:
     import pytest
 except ImportError:  # a torch-only machine: run as a script
@@ -78,6 +111,11 @@ if pytest is not None:
             pytest.skip(f"needs 2 CUDA GPUs for NCCL between processes, found {gpu_count()}")
         check_two_gpus(tmp_path / "logs")
 
+    def test_nccl_peer_loss_keeps_the_prefill(tmp_path: Path) -> None:
+        if gpu_count() < 2:
+            pytest.skip(f"needs 2 CUDA GPUs for NCCL between processes, found {gpu_count()}")
+        check_nccl_peer_loss(tmp_path / "logs")
+
 
 if __name__ == "__main__":
     n = gpu_count()
@@ -90,5 +128,7 @@ if __name__ == "__main__":
         if n >= 2:
             check_two_gpus(Path(tmp) / "two-gpus")
             print("two GPUs (NCCL): ok")
+            check_nccl_peer_loss(Path(tmp) / "peer-loss")
+            print("NCCL peer killed mid-transfer: the prefill survives and frees at lease end")
         else:
             print("SKIP two-GPU case: only one GPU")
