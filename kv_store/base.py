@@ -113,6 +113,10 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: list[str]) -> None: ...
 
+    def limit_value_bytes(self, max_bytes: int) -> None:  # noqa: B027 - optional hook
+        """No valid value is larger than ``max_bytes`` (the connector's largest record): a
+        backend may refuse to read larger ones (the fs store does, unread)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

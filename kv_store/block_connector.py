@@ -5,7 +5,8 @@ skip blocks the store already holds (content-addressed keys make the store a sha
 deduplicated prefix cache), copy the rest out of the paged cache, encode and put them in
 batches. Loads read batch by batch, verify each record and copy it into the cache, stopping
 at the first missing or corrupt block: ``num_loaded_blocks`` counts the intact leading
-blocks and ``failure_reason`` says why the rest did not load.
+blocks and ``failure_reason`` says why the rest did not load. A record that fails
+verification is deleted, so the next save rewrites it instead of every load failing on it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def record_failure_reason(err: KVRecordError) -> str:
     return "corrupt"
 
 
+def _drop_bad_record(backend: StorageBackend, key: str, err: KVRecordError) -> None:
+    """Best effort; writes are atomic, so a bad record is bad for every reader."""
+    logger.warning("deleting bad KV record %s: %s", key, err)
+    try:
+        backend.delete([key])
+    except KVStoreError as e:
+        logger.warning("could not delete bad KV record %s: %s", key, e)
+
+
 class BlockStoreConnector(AsyncConnectorBase):
     """Moves blocks between the bound paged cache and ``backend``: ``num_workers``
     transfers at a time, each split into batches of ``batch_blocks`` records that
@@ -100,6 +110,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
         super().bind_kv_cache(kv_cache, layout, model_fingerprint)
+        self.backend.limit_value_bytes(record_size(layout, layout.block_size))
         # CPU cache: fs records go cache -> file (writev) and file -> cache (readv), Redis
         # ones cache -> socket (sendmsg) and socket -> cache (recvmsg_into), without being
         # assembled in a buffer.
@@ -258,6 +269,7 @@ class BlockStoreConnector(AsyncConnectorBase):
             try:
                 block = decode_block(value, layout, expected_tokens=n)
             except KVRecordError as e:
+                _drop_bad_record(self.backend, key, e)
                 return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
             copy_into(kv[:, :, t.block_ids[i], :n], block)
             loaded += 1
@@ -305,6 +317,7 @@ class BlockStoreConnector(AsyncConnectorBase):
                     raise RecordLayoutError(f"record size {size} does not match {n} tokens")
                 check_record_parts(headers[j], parts[j], layout, n)
             except KVRecordError as e:
+                _drop_bad_record(backend, key, e)
                 return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
             loaded += 1
             nbytes += size

@@ -11,6 +11,11 @@
   ones down to ``low_watermark`` of the capacity. The low watermark spaces GC runs apart.
 - Keys map to paths component by component (``a/b/c`` → ``root/a/b/<shard>/c``), each
   component percent-encoded so no key can escape the root or collide with a temp file.
+- Nothing found at a record path is trusted (``kv_store/fs_files.py``): reads open it
+  non-blocking without following a symlink, refuse anything but a regular file and any
+  file over ``max_value_bytes`` (set by the connector to the largest valid record) without
+  reading it, and remove what they refuse; lookups report such entries as missing, so the
+  next save writes a good record in their place.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from kv_store.base import Blob, KVStoreError, VectoredBackend
+from kv_store.fs_files import Refused, discard, looks_like_record, open_record
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class FsBackend(VectoredBackend):
         low_watermark: float = 0.8,
         key_prefix: str = "",
         fsync: bool = False,
+        max_value_bytes: int | None = None,
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 (or None for no TTL), got {ttl_s}")
@@ -93,6 +100,7 @@ class FsBackend(VectoredBackend):
         self.low_watermark = low_watermark
         self.key_prefix = key_prefix
         self.fsync = fsync
+        self.max_value_bytes = max_value_bytes
         self._lock = threading.Lock()
         self._gc_lock = threading.Lock()
         self._estimated_bytes = self._scan_total() if capacity_bytes else 0
@@ -111,38 +119,50 @@ class FsBackend(VectoredBackend):
     def _expired(self, mtime: float, now: float) -> bool:
         return self.ttl_s is not None and now - mtime > self.ttl_s
 
+    def limit_value_bytes(self, max_bytes: int) -> None:
+        """Refuse (and remove) anything at a record path larger than ``max_bytes``."""
+        self.max_value_bytes = max_bytes
+
     # -- StorageBackend ---------------------------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:
         now = time.time()
         out = []
         for key in keys:
             try:
-                st = os.stat(self._file(key))
-            except FileNotFoundError:
-                out.append(False)
-                continue
+                st = looks_like_record(self._file(key), self.max_value_bytes)
             except OSError as e:
                 raise KVStoreError(f"fs store: stat {key}: {e}") from e
-            out.append(not self._expired(st.st_mtime, now))
+            out.append(st is not None and not self._expired(st.st_mtime, now))
         return out
 
     def get(self, keys: list[str]) -> list[bytes | None]:
         return [self._get_one(k) for k in keys]
 
+    def _open(self, path: str) -> tuple[int, os.stat_result] | None:
+        """``open_record`` of ``path``; a refused entry is removed and reads as missing."""
+        try:
+            return open_record(path, self.max_value_bytes)
+        except Refused as why:
+            discard(path, str(why))
+            return None
+
     def _get_one(self, key: str) -> bytes | None:
         path = self._file(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
+            opened = self._open(path)
+            if opened is None:
+                return None
+            fd, st = opened
+            try:
                 now = time.time()
                 if self._expired(st.st_mtime, now):
                     return None
-                data = f.read()  # sized from fstat: one copy, straight into a bytes object
+                data = _read_upto(fd, st.st_size)  # bounded by what fstat said
                 # Mark as recently used for LRU GC; keep mtime (= write time, for TTL).
-                os.utime(f.fileno(), (now, st.st_mtime))
+                os.utime(fd, (now, st.st_mtime))
                 return data
-        except FileNotFoundError:
-            return None
+            finally:
+                os.close(fd)
         except OSError as e:
             raise KVStoreError(f"fs store: read {path}: {e}") from e
 
@@ -179,7 +199,11 @@ class FsBackend(VectoredBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+            try:
+                os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+            except IsADirectoryError:  # a directory planted at the record path
+                discard(path, "a directory at a record path")
+                os.replace(tmp, path)
         except OSError as e:
             _unlink_quiet(tmp)
             raise KVStoreError(f"fs store: write {path}: {e}") from e
@@ -197,20 +221,23 @@ class FsBackend(VectoredBackend):
         path = self._file(key)
         want = sum(memoryview(p).nbytes for p in parts)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
+            opened = self._open(path)
+            if opened is None:
+                return None
+            fd, st = opened
+            try:
                 now = time.time()
                 if self._expired(st.st_mtime, now):
                     return None
                 if st.st_size != want:
                     return int(st.st_size)
-                got = os.readv(f.fileno(), parts)
+                got = os.readv(fd, parts)
                 if got != want:  # shrank under us: cannot happen with atomic replace
                     raise KVStoreError(f"fs store: short read of {path}: {got} of {want} bytes")
-                os.utime(f.fileno(), (now, st.st_mtime))
+                os.utime(fd, (now, st.st_mtime))
                 return want
-        except FileNotFoundError:
-            return None
+            finally:
+                os.close(fd)
         except OSError as e:
             raise KVStoreError(f"fs store: read {path}: {e}") from e
 
@@ -301,6 +328,18 @@ def _write_all(fd: int, parts: Sequence[Blob]) -> int:
         if n:
             views[0] = views[0][n:]
     return total
+
+
+def _read_upto(fd: int, size: int) -> bytes:
+    """At most ``size`` bytes from ``fd`` (fewer if the file is shorter by now)."""
+    chunks = []
+    while size > 0:
+        chunk = os.read(fd, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
 
 
 def _unlink_quiet(path: str) -> bool:
