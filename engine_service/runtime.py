@@ -24,6 +24,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine_service.auth import TokenAuthInterceptor
 from engine_service.core import EngineServiceCore
 from engine_service.errors import ErrorMappingInterceptor
 from engine_service.metrics import ServiceMetrics
@@ -114,12 +115,12 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         model_name=settings.model_name,
         max_waiting=settings.max_waiting,
     )
-    server = grpc.aio.server(
-        interceptors=[
-            ErrorMappingInterceptor(metrics.record_outcome, unavailable=(EngineDeadError,))
-        ],
-        options=_GRPC_OPTIONS,
-    )
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        ErrorMappingInterceptor(metrics.record_outcome, unavailable=(EngineDeadError,))
+    ]
+    if settings.grpc_token:  # outermost: an unauthenticated call goes no further
+        interceptors.insert(0, TokenAuthInterceptor(settings.grpc_token, metrics.record_outcome))
+    server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
     names = register(server, core, connector)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -159,6 +159,13 @@ def add_service_arguments(parser: argparse.ArgumentParser | Any, *, role: str) -
         default=0,
         help="refuse (RESOURCE_EXHAUSTED) when this many requests wait; 0 = no limit",
     )
+    add_env_argument(
+        group,
+        "--grpc-token",
+        default="",
+        help="require 'authorization: Bearer TOKEN' on every call but health checks "
+        "(prefer the environment twin: a command line is visible to every user)",
+    )
     if role == "decode":
         add_env_argument(
             group,
@@ -215,6 +222,7 @@ class ServiceSettings:
     max_waiting: int
     torch_threads: int
     model_name: str
+    grpc_token: str = ""  # empty: calls need no token (common/grpc_token.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str) -> ServiceSettings:
@@ -228,4 +236,5 @@ class ServiceSettings:
             args.max_waiting,
             args.torch_threads,
             args.model,
+            args.grpc_token,
         )

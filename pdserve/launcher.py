@@ -28,11 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import add_env_argument, fair_thread_share, non_negative_int, positive_int
+from common.grpc_token import ENV as GRPC_TOKEN_ENV
+from common.grpc_token import new_token
 from engine_service.settings import (
     SPECULATIVE_HELP,
     add_forwarded_engine_arguments,
     forward_engine_flags,
 )
+from pdserve.gpus import assign_gpus, gpu_ids, gpu_share_flags
 from pdserve.procs import (
     Child,
     Interrupted,
@@ -120,49 +123,6 @@ def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> lis
     return flags + forward_engine_flags(args)
 
 
-def gpu_ids(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str] | None:
-    """The GPUs to spread engines over (``--gpu-ids``, or the first ``--gpus`` of the visible
-    ones), or None when engines are not pinned. LaunchError on misuse."""
-    gpus: int | None = getattr(args, "gpus", None)
-    ids: str | None = getattr(args, "gpu_ids", None)
-    if gpus is None and ids is None:
-        return None
-    if gpus is not None and ids is not None:
-        raise LaunchError("give --gpus N or --gpu-ids LIST, not both")
-    if args.device != "cuda":
-        raise LaunchError("--gpus / --gpu-ids need --device cuda")
-    if ids is not None:
-        chosen = [part.strip() for part in ids.split(",") if part.strip()]
-        if not chosen or len(set(chosen)) != len(chosen):
-            raise LaunchError(f"--gpu-ids must list distinct GPU ids, got {ids!r}")
-        return chosen
-    count = int(gpus or 0)
-    # --gpus N counts from what this process may see, so an outer CUDA_VISIBLE_DEVICES holds.
-    visible = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
-    pool = [p.strip() for p in visible.split(",") if p.strip()] if visible else None
-    if pool is not None and len(pool) < count:
-        raise LaunchError(f"--gpus {count} but CUDA_VISIBLE_DEVICES={visible!r} lists fewer")
-    return (pool or [str(i) for i in range(count)])[:count]
-
-
-def assign_gpus(num_engines: int, ids: list[str] | None) -> list[str | None]:
-    """GPU of each engine, in launch order (prefill instances first, then decode):
-    round-robin over ``ids``; all None when engines are not pinned."""
-    if not ids:
-        return [None] * num_engines
-    return [ids[i % len(ids)] for i in range(num_engines)]
-
-
-def gpu_share_flags(device: str, gpu: str | None, gpus: list[str | None]) -> list[str]:
-    """``--gpu-memory-utilization`` for one engine: each engine sizes its KV cache as a
-    fraction of its whole GPU, so engines sharing one GPU split the usual 0.9 between them
-    (unpinned engines all share the one default GPU)."""
-    sharing = sum(1 for other in gpus if other == gpu)
-    if device != "cuda" or sharing < 2:
-        return []
-    return ["--gpu-memory-utilization", f"{0.9 / sharing:.3f}"]
-
-
 def build_plan(
     launcher: Launcher, model_dir: str
 ) -> tuple[list[Child], list[Child], dict[str, str]]:
@@ -207,6 +167,9 @@ def build_plan(
     )
     if args.api_key:  # by environment: argv is visible to every user of the machine (ps)
         router.env_extra["PDSERVE_API_KEY"] = args.api_key
+    token = new_token()  # per run: only this run's router may call its services
+    for child in (*services, router):
+        child.env_extra[GRPC_TOKEN_ENV] = token
     logger.info("%d engine process(es), %d torch thread(s) each", num_engines, threads)
     return ([store] if store else []), [*services, router], launcher.child_env(threads)
 

@@ -120,6 +120,13 @@ def add_router_arguments(parser: argparse.ArgumentParser | Any) -> None:
         help="require 'Authorization: Bearer KEY' on every path but /health "
         "(comma-separated for several keys)",
     )
+    add_env_argument(
+        g,
+        "--grpc-token",
+        default="",
+        help="send 'authorization: Bearer TOKEN' on every gRPC call (the services' "
+        "--grpc-token; prefer the environment twin)",
+    )
     add_env_switch(
         g,
         "--public-metrics",
@@ -256,6 +263,7 @@ def build_app(args: argparse.Namespace) -> Any:
             metrics=metrics,
             health_interval=args.health_interval,
             check_timeout=args.health_timeout,
+            grpc_token=args.grpc_token,
         )
         for role in ("prefill", "decode")
     ]

@@ -143,7 +143,9 @@ async def decode_deltas(
             )
         trace.decode_instances.append(inst.url)
         rid = f"{job.request_id}-{index}" + (f"-r{choice.failovers}" if choice.failovers else "")
-        call = inst.stub.Decode(choice.request(rid), timeout=deadline_for(job))
+        call = inst.stub.Decode(
+            choice.request(rid), timeout=deadline_for(job), metadata=inst.metadata
+        )
         done = False
         inst.inflight += 1
         try:

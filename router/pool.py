@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_token import call_metadata
 from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.metrics import RouterMetrics
 from router.policies import Policy, RouteContext, make_policy
@@ -78,6 +79,7 @@ class Instance:
     sent_since_poll: int = 0  # requests routed here since the last GetLoad, not yet in ``load``
     inflight: int = 0
     last_error: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()  # sent on every call: the control-plane token
 
     def load_score(self) -> float:
         return self.load.waiting * 4 + self.load.running + self.sent_since_poll
@@ -96,6 +98,7 @@ class InstancePool:
         health_interval: float = 2.0,
         check_timeout: float = 1.0,
         prefix_index_blocks: int = 16384,
+        grpc_token: str = "",
     ) -> None:
         if name not in ("prefill", "decode"):
             raise ValueError(f"pool name must be 'prefill' or 'decode', got {name!r}")
@@ -106,6 +109,7 @@ class InstancePool:
         self.metrics = metrics
         self.health_interval = health_interval
         self.check_timeout = check_timeout
+        self.call_metadata = call_metadata(grpc_token)
         self.prefix_index = PrefixIndex(prefix_index_blocks)
         self.policy: Policy = make_policy(policy, self.prefix_index)
         self._instances: dict[str, Instance] = {}
@@ -162,7 +166,12 @@ class InstancePool:
             else pdserve_pb2_grpc.DecodeServiceStub
         )
         self._instances[url] = Instance(
-            url, self.name, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel)
+            url,
+            self.name,
+            channel,
+            stub_cls(channel),
+            health_pb2_grpc.HealthStub(channel),
+            metadata=self.call_metadata,
         )
         logger.info("%s pool: added %s", self.name, url)
 
@@ -187,7 +196,9 @@ class InstancePool:
                 raise _Unhealthy(
                     f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
                 )
-            info = await inst.stub.GetLoad(pdserve_pb2.GetLoadRequest(), timeout=self.check_timeout)
+            info = await inst.stub.GetLoad(
+                pdserve_pb2.GetLoadRequest(), timeout=self.check_timeout, metadata=inst.metadata
+            )
             if info.draining:
                 raise _Unhealthy("draining")
         except (grpc.RpcError, _Unhealthy) as exc:

@@ -62,7 +62,9 @@ async def prefill_events(
             leg.metrics.prefill_retries.inc()
         tried.add(inst.url)
         trace.prefill_instance = inst.url
-        call = inst.stub.Prefill(request, timeout=deadline_for(job, leg.prefill_timeout))
+        call = inst.stub.Prefill(
+            request, timeout=deadline_for(job, leg.prefill_timeout), metadata=inst.metadata
+        )
         done = False
         inst.inflight += 1
         try:

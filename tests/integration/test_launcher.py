@@ -9,10 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
 from pdserve.procs import free_ports
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess, alive, descendants
 from tests.service_fixtures import REPO, child_env
 
@@ -41,6 +44,16 @@ def test_up_serves_a_completion_and_leaves_no_process(tmp_path: Path, tiny_model
         )
         assert reply.usage is not None and reply.usage.completion_tokens == 5
         assert reply.choices[0].finish_reason == "length" and reply.choices[0].text
+        # The run's services take calls only from its router (a token per run).
+        (decode_port,) = [
+            argv[argv.index(b"--port") + 1].decode()
+            for argv in (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children)
+            if b"decode" in argv
+        ]
+        address = f"127.0.0.1:{decode_port}"
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.DecodeServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=90) == 0, up.output()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from pdserve import launcher
 from pdserve.launcher import assign_gpus, build_plan, gpu_ids
 from pdserve.procs import Child, Launcher, LaunchError
@@ -40,14 +41,32 @@ def flag(child: Child, name: str) -> str | None:
     return child.argv[hits[0] + 1] if hits else None
 
 
+def gpu_env(child: Child) -> dict[str, str]:
+    """The child's own environment without the run's control-plane token."""
+    return {k: v for k, v in child.env_extra.items() if k != GRPC_TOKEN_ENV}
+
+
+def test_services_and_router_share_one_token_by_environment_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    children = plan(tmp_path, ["--connector", "redis", "--decode", "2"], monkeypatch)
+    tokens = {n: c.env_extra.get(GRPC_TOKEN_ENV) for n, c in children.items()}
+    assert tokens.pop("redis") is None, "the store gets no token"
+    assert len(set(tokens.values())) == 1 and all(tokens.values()), tokens
+    token = next(iter(tokens.values()))
+    assert all(token not in " ".join(c.argv) for c in children.values())
+    again = plan(tmp_path, ["--connector", "redis"], monkeypatch)
+    assert again["router"].env_extra[GRPC_TOKEN_ENV] != token, "a new token per run"
+
+
 def test_one_prefill_and_one_decode_get_a_gpu_each_and_the_whole_of_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     children = plan(tmp_path, ["--device", "cuda", "--gpus", "2"], monkeypatch)
     assert set(children) == {"prefill-0", "decode-0", "router"}
-    assert children["prefill-0"].env_extra == {"CUDA_VISIBLE_DEVICES": "0"}
-    assert children["decode-0"].env_extra == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert children["router"].env_extra == {}
+    assert gpu_env(children["prefill-0"]) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert gpu_env(children["decode-0"]) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert gpu_env(children["router"]) == {}
     for name in ("prefill-0", "decode-0"):  # alone on its GPU: the engine default (0.9)
         assert flag(children[name], "--gpu-memory-utilization") is None
         assert flag(children[name], "--device") == "cuda"
@@ -84,7 +103,7 @@ def test_unpinned_cuda_engines_share_the_default_gpu(
 ) -> None:
     children = plan(tmp_path, ["--device", "cuda", "--decode", "2"], monkeypatch)
     for name in ("prefill-0", "decode-0", "decode-1"):
-        assert children[name].env_extra == {}
+        assert gpu_env(children[name]) == {}
         assert flag(children[name], "--gpu-memory-utilization") == "0.300"
 
 
@@ -114,7 +133,7 @@ def test_engine_flags_left_unset_are_not_passed(
         child = children[name]
         for name_ in ("--load-format", "--dtype", "--attention-backend", "--max-model-len"):
             assert flag(child, name_) is None, (name, name_)
-        assert child.env_extra == {}
+        assert gpu_env(child) == {}
 
 
 def test_gpus_counts_from_the_visible_devices() -> None:
