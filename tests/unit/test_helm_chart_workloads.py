@@ -362,3 +362,14 @@ def test_router_metrics_stay_scrapable_unless_asked() -> None:
     objs = render(ci("default"), sets=sets)
     env = env_of(container(find(objs, "Deployment", f"{RELEASE}-pdserve-router"), "router"))
     assert "PDSERVE_PUBLIC_METRICS" not in env
+
+
+def test_control_plane_token_reaches_engines_and_router_from_a_secret() -> None:
+    objs = render(ci("default"), sets=("grpcToken.existingSecret=cp",))
+    ref = {"secretKeyRef": {"name": "cp", "key": "grpc-token"}}
+    for role in ("prefill", "decode", "router"):
+        c = container(find(objs, "Deployment", f"{RELEASE}-pdserve-{role}"), role)
+        assert env_of(c)["PDSERVE_GRPC_TOKEN"] == ref, role
+    for role in ("prefill", "decode", "router"):  # off by default
+        c = container(find(render(ci("default")), "Deployment", f"{RELEASE}-pdserve-{role}"), role)
+        assert "PDSERVE_GRPC_TOKEN" not in env_of(c), role

@@ -95,6 +95,7 @@ spec:
                 fieldRef:
                   fieldPath: status.podIP
             {{- end }}
+            {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
             - name: HOME
               value: /tmp
             {{- with $pool.extraEnv }}

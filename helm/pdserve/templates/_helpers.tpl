@@ -158,3 +158,14 @@ app.kubernetes.io/part-of: pdserve
 {{- define "pdserve.kvClaimName" -}}
 {{- default (include "pdserve.componentName" (dict "root" . "component" "kv")) .Values.connector.fs.existingClaim }}
 {{- end }}
+
+{{/* PDSERVE_GRPC_TOKEN from grpcToken.existingSecret (engines and router alike), if set. */}}
+{{- define "pdserve.grpcTokenEnv" -}}
+{{- with .Values.grpcToken.existingSecret -}}
+- name: PDSERVE_GRPC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.grpcToken.key }}
+{{- end }}
+{{- end }}
