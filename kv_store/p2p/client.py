@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from kv_store.base import KVTransfer, TransferResult
 from kv_store.p2p.group import PairGroup, _timedelta
+from kv_store.p2p.ipc import copy_blocks, open_cache
 from kv_store.p2p.mover import BlockMover
 from kv_store.p2p.stats import P2PCounters
 from kv_store.p2p.wire import PeerError, connect, expect, recv_msg, send_msg, split_address
@@ -72,6 +73,8 @@ class PeerLink:
         self._group: PairGroup | None = None
         self._mover: BlockMover | None = None
         self._store: Any = None
+        self._ipc_src: torch.Tensor | None = None  # cuda_ipc: the peer's cache, mapped
+        self._avoid_ipc = False  # mapping failed once (e.g. another container): use gloo
         self._lock = threading.Lock()
         self._accepting = True
         self._thread = threading.Thread(
@@ -133,7 +136,7 @@ class PeerLink:
             if time.monotonic() >= job.deadline:
                 raise PeerError("p2p pull waited past its deadline", "timeout")
             self._connect(job.deadline)
-            assert self._sock is not None and self._group is not None and self._mover is not None
+            assert self._sock is not None and self._mover is not None
             sock, group, mover = self._sock, self._group, self._mover
             hashes = [h.hex() for h in t.block_hashes[t.start_block :]]
             pull = {
@@ -152,7 +155,11 @@ class PeerLink:
             if not 0 <= n <= len(hashes):
                 raise PeerError(f"peer offers {n} blocks of {len(hashes)}", "protocol")
             ids = t.block_ids[t.start_block : t.start_block + n]
-            nbytes = mover.recv(group, ids, job.deadline, job.ready)
+            if group is None:
+                nbytes = self._copy_ipc(meta, ids, mover, job)
+                send_msg(sock, {"op": "copied"}, job.deadline)
+            else:
+                nbytes = mover.recv(group, ids, job.deadline, job.ready)
             end = recv_msg(sock, job.deadline)
             valid = end.get("op") == "end" and bool(end.get("ok", False))
             send_msg(sock, {"op": "done", "ok": valid}, job.deadline)
@@ -173,13 +180,39 @@ class PeerLink:
             res.failure_reason, res.error = "mismatch", f"peer held {n} of {len(hashes)} blocks"
         return res
 
+    def _copy_ipc(
+        self, meta: dict[str, Any], ids: list[int], mover: BlockMover, job: PullJob
+    ) -> int:
+        """cuda_ipc: copy the peer's blocks ``meta["src_blocks"]`` into ``ids`` ourselves."""
+        assert self._ipc_src is not None
+        src = meta.get("src_blocks")
+        limit = self._ipc_src.shape[2]
+        if (
+            not isinstance(src, list)
+            or len(src) != len(ids)
+            or not all(isinstance(b, int) and 0 <= b < limit for b in src)
+        ):
+            raise PeerError("peer sent bad source blocks for a cuda_ipc pull", "protocol")
+        stream = mover.stream
+        assert stream is not None
+        if job.ready is not None:
+            stream.wait_event(job.ready)
+        copy_blocks(self._ipc_src, src, self._config.kv, ids, stream, mover.batch_blocks)
+        return len(ids) * mover.block_bytes
+
     def _connect(self, deadline: float) -> None:
-        if self._group is not None:
+        if self._group is not None or self._ipc_src is not None:
             return
         sock = connect(self.address, deadline)
         self._sock = sock
-        send_msg(sock, {"op": "hello", "ok": True, **self._config.hello}, deadline)
+        hello = dict(self._config.hello)
+        if self._avoid_ipc and hello.get("backend", "auto") == "auto":
+            hello["backend"] = "gloo"
+        send_msg(sock, {"op": "hello", "ok": True, **hello}, deadline)
         reply = expect(recv_msg(sock, deadline), "hello")
+        if reply.get("backend") == "cuda_ipc":
+            self._connect_ipc(reply)
+            return
         host, port = split_address(str(reply["store"]))
         try:
             self._store = dist.TCPStore(
@@ -198,8 +231,25 @@ class PeerLink:
         mover.batch_blocks = int(reply["batch_blocks"])  # the sender's batching decides
         self._mover = mover
 
+    def _connect_ipc(self, reply: dict[str, Any]) -> None:
+        """Map the peer's cache; when the driver refuses (another container, say), the
+        next connection asks for gloo instead."""
+        kv = self._config.kv
+        try:
+            self._ipc_src = open_cache(reply.get("ipc") or {}, kv.device)
+        except (ValueError, RuntimeError) as e:
+            self._avoid_ipc = True
+            raise PeerError(f"p2p cuda_ipc mapping failed: {e}") from None
+        mover = BlockMover(kv, "cuda_ipc", self._config.batch_bytes)
+        mover.batch_blocks = int(reply["batch_blocks"])
+        self._mover = mover
+        self._counters.pair(made=True)
+
     def _teardown(self) -> None:
         sock, self._sock = self._sock, None
+        if self._ipc_src is not None:
+            self._ipc_src = None
+            self._counters.pair(made=False)
         group, self._group = self._group, None
         self._mover, self._store = None, None
         if group is not None:

@@ -30,7 +30,7 @@ from kv_store.p2p.wire import PeerError, remaining
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 # ProcessGroupNCCL reads its error handling from the environment when it is built. The
 # default tears the whole process down when a peer dies or an operation times out; a
 # serving process must survive a lost peer, so our groups are built with none: every wait
@@ -83,7 +83,9 @@ def device_identity(device: torch.device) -> dict[str, Any]:
 
 
 def choose_backend(wanted: str, mine: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """``"nccl"`` or ``"gloo"`` for a pair; ``ValueError`` when ``wanted`` cannot be had."""
+    """``"nccl"``, ``"cuda_ipc"`` or ``"gloo"`` for a pair; ``ValueError`` when ``wanted``
+    cannot be had. Two processes on one GPU (NCCL refuses them) use CUDA IPC: the decode
+    side maps this side's cache and copies the blocks itself (``ipc.py``)."""
     if wanted not in BACKENDS:
         raise ValueError(f"p2p backend must be one of {', '.join(BACKENDS)}, got {wanted!r}")
     both_cuda = mine["type"] == "cuda" and theirs["type"] == "cuda"
@@ -92,8 +94,12 @@ def choose_backend(wanted: str, mine: dict[str, Any], theirs: dict[str, Any]) ->
     if wanted == "nccl" and not nccl_ok:
         why = "both caches on distinct CUDA GPUs with NCCL built in"
         raise ValueError(f"p2p backend nccl needs {why}")
+    if wanted == "cuda_ipc" and not same_gpu:
+        raise ValueError("p2p backend cuda_ipc needs both caches on the same CUDA GPU")
     if wanted == "gloo":
         return "gloo"
+    if same_gpu:
+        return "cuda_ipc"
     return "nccl" if nccl_ok else "gloo"
 
 

@@ -38,7 +38,7 @@ class BlockMover:
         self.block_bytes = layers * two * block * heads * dim * kv.element_size()
         self.batch_blocks = max(1, batch_bytes // self.block_bytes)
         self.cuda = kv.device.type == "cuda"
-        self.host_staged = self.cuda and wire != "nccl"
+        self.host_staged = self.cuda and wire == "gloo"
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
         self._slots: list[torch.Tensor] = []  # [layers, 2, batch_blocks, block, heads, dim]
         self._host: list[torch.Tensor] = []  # pinned flat bytes per slot (host_staged only)

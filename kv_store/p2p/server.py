@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kv_store.p2p.group import PairGroup, choose_backend, host_store
+from kv_store.p2p.ipc import describe_cache
 from kv_store.p2p.leases import LeaseTable
 from kv_store.p2p.mover import BlockMover
 from kv_store.p2p.stats import P2PCounters
@@ -123,7 +124,8 @@ class PullServer:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def _handshake(self, sock: socket.socket) -> tuple[PairGroup, BlockMover]:
+    def _handshake(self, sock: socket.socket) -> tuple[PairGroup | None, BlockMover]:
+        """The pair's group and mover (no group for ``cuda_ipc``)."""
         cfg = self.config
         deadline = time.monotonic() + cfg.timeout_s
         hello = expect(recv_msg(sock, deadline), "hello")
@@ -152,6 +154,10 @@ class PullServer:
             "backend": backend,
             "batch_blocks": mover.batch_blocks,
         }
+        if backend == "cuda_ipc":  # the peer maps our cache and copies: no group to form
+            reply["ipc"] = describe_cache(cfg.kv)
+            send_msg(sock, reply, deadline)
+            return None, mover
         send_msg(sock, reply, deadline)
         local_host = sock.getsockname()[0]  # the interface this peer reaches us on
         group = PairGroup.create(
@@ -161,7 +167,7 @@ class PullServer:
         return group, mover
 
     def _serve_pull(
-        self, sock: socket.socket, group: PairGroup, mover: BlockMover, msg: dict[str, Any]
+        self, sock: socket.socket, group: PairGroup | None, mover: BlockMover, msg: dict[str, Any]
     ) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         try:
@@ -182,9 +188,18 @@ class PullServer:
             n = 0
             while n < min(len(want), len(have)) and want[n] == have[n]:
                 n += 1
-            send_msg(sock, {"op": "meta", "ok": True, "n_blocks": n}, deadline)
             t0 = time.perf_counter()
-            nbytes = mover.send(group, lease.block_ids[start : start + n], deadline, lease.ready)
+            src = lease.block_ids[start : start + n]
+            if group is None:  # cuda_ipc: the peer copies out of our cache, then says so
+                if lease.ready is not None:
+                    lease.ready.synchronize()  # the blocks' KV is written
+                meta = {"op": "meta", "ok": True, "n_blocks": n, "src_blocks": src}
+                send_msg(sock, meta, deadline)
+                expect(recv_msg(sock, deadline), "copied")
+                nbytes = n * mover.block_bytes
+            else:
+                send_msg(sock, {"op": "meta", "ok": True, "n_blocks": n}, deadline)
+                nbytes = mover.send(group, src, deadline, lease.ready)
             void = self._leases.is_void(lease)
             end = {"op": "end", "ok": not void}
             if void:

@@ -1,7 +1,8 @@
 """The p2p transport between two processes with CUDA caches.
 
 - One GPU: both processes on cuda:0. NCCL refuses two ranks on one device, so ``auto`` picks
-  gloo (staged through pinned host memory), and a forced ``nccl`` is refused with a reason.
+  CUDA IPC (the decode side maps the prefill's cache and copies on the device); a forced
+  ``gloo`` stages through pinned host memory; a forced ``nccl`` is refused with a reason.
 - Two GPUs or more: prefill on cuda:0, decode on cuda:1, over NCCL (``auto`` picks it);
   and a decode killed mid-transfer leaves the prefill process serving.
 
@@ -47,8 +48,9 @@ def check_pair(log_dir: Path, src_dev: str, dst_dev: str, backend: str = "auto")
 
 
 def check_same_gpu(log_dir: Path) -> None:
-    got = check_pair(log_dir, "cuda:0", "cuda:0")
-    assert got["ok"] and got["loaded"] == len(SRC) and got["equal"], got
+    for backend in ("auto", "cuda_ipc", "gloo"):
+        got = check_pair(log_dir, "cuda:0", "cuda:0", backend=backend)
+        assert got["ok"] and got["loaded"] == len(SRC) and got["equal"], (backend, got)
     refused = check_pair(log_dir, "cuda:0", "cuda:0", backend="nccl")
     assert not refused["ok"] and refused["reason"] == "backend", refused
 
@@ -124,7 +126,7 @@ if __name__ == "__main__":
         sys.exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         check_same_gpu(Path(tmp) / "one-gpu")
-        print("one GPU, two processes (gloo over pinned host memory): ok")
+        print("one GPU, two processes (CUDA IPC; gloo over pinned host memory): ok")
         if n >= 2:
             check_two_gpus(Path(tmp) / "two-gpus")
             print("two GPUs (NCCL): ok")
