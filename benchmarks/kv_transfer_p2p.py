@@ -3,7 +3,9 @@
     PYTHONPATH=. python3 benchmarks/kv_transfer_p2p.py --json out.json --md out.md
 
 Devices: two GPUs → prefill on cuda:0, decode on cuda:1 over NCCL; one GPU → both on cuda:0
-over gloo (NCCL refuses two ranks on one GPU); no GPU → CPU over gloo. Llama-3.1-8B KV
+by CUDA IPC (NCCL refuses two ranks on one GPU; raw is then one contiguous device copy out
+of the peer's mapped buffer; ``--backend gloo`` for the host-staged path); no GPU → CPU over
+gloo. Llama-3.1-8B KV
 shape (32 layers, 8 KV heads x 128, bf16, 16-token blocks: 2 MiB a block); sizes 64 MiB,
 512 MiB and 2 GiB by default (``--sizes``). A handoff is the whole pull as the decode engine
 sees it — control messages, the gather into staging, the wire, the scatter into
@@ -89,15 +91,25 @@ def _side(
     kv = _cache(blocks, device, seed=rank)
     conn = P2PConnector(timeout_s=300.0, backend=backend)
     conn.bind_kv_cache(kv, LAYOUT, "bench")
-    raw = _raw_group(rank, q_out, q_in, "nccl" if backend == "nccl" else "gloo")
+    # Raw for cuda_ipc: one contiguous device copy out of the peer's mapped buffer.
+    ipc = backend == "cuda_ipc"
+    raw = None if ipc else _raw_group(rank, q_out, q_in, "nccl" if backend == "nccl" else "gloo")
     go = torch.zeros(1, device=device if backend == "nccl" else "cpu")
     out: list[dict[str, Any]] = []
     for size in sizes:
         n = size // BLOCK_BYTES
         row: dict[str, Any] = {"bytes": n * BLOCK_BYTES, "blocks": n, "handoff_s": [], "raw_s": []}
         flat = torch.empty(
-            n * BLOCK_BYTES, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"
+            n * BLOCK_BYTES,
+            dtype=torch.uint8,
+            device=device if backend in ("nccl", "cuda_ipc") else "cpu",
         )
+        peer_flat = None
+        if ipc:  # torch's queue pickling shares a CUDA tensor by IPC handle
+            if rank == 0:
+                q_out.put(flat)
+            else:
+                peer_flat = q_in.get()
         for rep in range(repeats + 1):
             rid = f"s{size}-r{rep}"
             if rank == 0:
@@ -106,8 +118,11 @@ def _side(
                 q_out.put((rid, save.source_address, save.transfer_id))
                 q_in.get()  # the pull is done
                 conn.wait(1, 60)  # its release
-                raw.wait(raw.recv(go, 0), time.monotonic() + 120)
-                raw.wait(raw.send(flat, 1), time.monotonic() + 300)
+                if raw is None:
+                    q_in.get()  # the peer's raw copy is done: ``flat`` may go
+                else:
+                    raw.wait(raw.recv(go, 0), time.monotonic() + 120)
+                    raw.wait(raw.send(flat, 1), time.monotonic() + 300)
             else:
                 rid, address, transfer_id = q_in.get()
                 t = _transfer(rid, _ids(n, blocks, 1000 + rep))
@@ -119,8 +134,14 @@ def _side(
                 assert result.ok and result.num_loaded_blocks == n, result
                 q_out.put("done")
                 t0 = time.perf_counter()
-                raw.wait(raw.send(go, 0), time.monotonic() + 120)
-                raw.wait(raw.recv(flat, 1), time.monotonic() + 300)
+                if raw is None:
+                    assert peer_flat is not None
+                    flat.copy_(peer_flat)
+                    torch.cuda.synchronize()
+                    q_out.put("raw-done")
+                else:
+                    raw.wait(raw.send(go, 0), time.monotonic() + 120)
+                    raw.wait(raw.recv(flat, 1), time.monotonic() + 300)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 raw_s = time.perf_counter() - t0
@@ -134,7 +155,8 @@ def _side(
         results.put(out)
     else:
         results.put(None)
-    raw.close()
+    if raw is not None:
+        raw.close()
     conn.close()
 
 
@@ -181,13 +203,14 @@ def main() -> None:
     )
     ap.add_argument("--sizes", default="64MiB,512MiB,2GiB")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "cuda_ipc"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0"] * 2 if gpus == 1 else ["cpu"] * 2
-    backend = args.backend if args.backend != "auto" else ("nccl" if gpus >= 2 else "gloo")
+    auto = "nccl" if gpus >= 2 else "cuda_ipc" if gpus == 1 else "gloo"
+    backend = args.backend if args.backend != "auto" else auto
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     to_decode, to_prefill, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
