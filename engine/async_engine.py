@@ -87,6 +87,7 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         if self.engine.connector is not None:
             self.engine.connector.close()
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.executor import Executor
 from engine.request import Request, RequestStatus
 from engine.sampler import PendingTokens, Sampler
 from engine.scheduler import ScheduledRequest, Scheduler
@@ -88,7 +88,7 @@ class StepPipeline:
     the deferred one for the engine to finish (``tokens.result()`` waits for its copy)."""
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, max_model_len: int
+        self, scheduler: Scheduler, runner: Executor, sampler: Sampler, max_model_len: int
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner

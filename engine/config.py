@@ -21,6 +21,8 @@ class EngineConfig:
     ``model`` is a local Hugging Face directory (or "smollm2", resolved by the caller).
     ``kv_cache_memory`` sizes the block pool on the CPU; ``gpu_memory_utilization`` on CUDA.
     ``num_kv_blocks`` overrides both (tests use it to force preemption).
+    ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU
+    on CUDA; engine/executor.py); ``distributed_timeout`` bounds every wait between them.
     """
 
     model: str
@@ -48,6 +50,10 @@ class EngineConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding: None, "ngram:k=4" or "draft:model=PATH,k=4" (engine/spec_decode/config.py).
     speculative: str | None = None
+    tensor_parallel_size: int = 1
+    # Seconds a collective between tensor-parallel ranks (or a rank's start-up) may take
+    # before the step fails: a rank that died or hangs fails the engine instead of hanging it.
+    distributed_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +102,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.speculative is not None:
             self.speculative_config()  # raises ValueError with the accepted forms
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
+        if self.tensor_parallel_size > 1:
+            from engine.models.config import ModelArgs
+            from engine.models.parallel import check_tensor_parallel
+
+            check_tensor_parallel(ModelArgs.from_hf(self.hf_config()), self.tensor_parallel_size)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The parsed ``speculative`` setting (None when off)."""

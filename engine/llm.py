@@ -18,7 +18,7 @@ class LLM:
     """Runs the engine in-process until every prompt finishes.
 
     ``model`` is a local Hugging Face directory or "smollm2"; other keyword arguments are
-    ``EngineConfig`` fields.
+    ``EngineConfig`` fields (``tensor_parallel_size=2`` shards the model over two processes).
     """
 
     def __init__(self, model: str, **engine_kwargs: Any) -> None:
@@ -30,6 +30,17 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size`` > 1); idempotent.
+        They also stop when this object is collected or the interpreter exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

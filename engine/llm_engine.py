@@ -16,11 +16,11 @@ from engine.async_scheduling import StepPipeline, can_defer
 from engine.client import GenerateRequest
 from engine.config import KV_LAYOUT_VERSION, EngineConfig
 from engine.detokenizer import load_tokenizer
+from engine.executor import make_executor
 from engine.fingerprint import model_fingerprint
 from engine.guided.manager import GuidedDecoding
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfers import KVTransferCoordinator, LoadOutcome
-from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KvSaveResult, LoadStats, RequestOutput, TokenLogprob
@@ -42,7 +42,14 @@ class LLMEngine:
         self.max_model_len = self.args.max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.args.eos_token_ids)
-        self.runner = ModelRunner(config, self.args, self.max_model_len)
+        if connector is not None and config.tensor_parallel_size > 1:
+            raise ValueError(
+                "KV connectors (disaggregated prefill/decode) do not support "
+                "tensor_parallel_size > 1 yet; run this instance with tensor_parallel_size 1"
+            )
+        # Runs the model: here, or sharded over worker processes (tensor parallelism).
+        self.executor = make_executor(config, self.args, self.max_model_len)
+        self.runner = self.executor.runner  # this process's runner (rank 0's shard)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -86,7 +93,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
         self.pipeline = (
-            StepPipeline(self.scheduler, self.runner, self.sampler, self.max_model_len)
+            StepPipeline(self.scheduler, self.executor, self.sampler, self.max_model_len)
             if config.async_scheduling_on
             else None
         )
@@ -190,7 +197,7 @@ class LLMEngine:
             return outputs + self._finish_deferred()
         sched = self.scheduler.schedule()
         if sched.scheduled:
-            logits = self.runner.execute(sched.scheduled)
+            logits = self.executor.execute(sched.scheduled)
             self.num_steps += 1
             if self.pipeline is not None and can_defer(sched.scheduled):
                 self.pipeline.defer(sched.scheduled, logits)
@@ -369,6 +376,10 @@ class LLMEngine:
             self.spec.stats if self.spec is not None else None,
             self.connector.p2p_stats() if self.connector is not None else None,
         )
+
+    def shutdown(self) -> None:
+        """Stop what the engine runs besides this thread (tensor-parallel workers); idempotent."""
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (benchmarks measure cold prefills with this)."""

@@ -3,6 +3,11 @@
 Each step it flattens the scheduled requests' new tokens into one "super sequence" with
 positions, slot mapping and attention metadata, runs the model once, and returns the
 logits of each request's last scheduled position.
+
+Under tensor parallelism every rank has a runner holding its shard of the model and a
+paged KV cache of its own KV heads (same blocks, same block ids on every rank); rank 0's
+executor (``engine/executor.py``) builds the step's host inputs and hands them to the
+others, and every rank runs ``run`` on them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from engine.attention.base import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.models import ModelArgs, build_model
+from engine.models.parallel import Shard
 from engine.scheduler import ScheduledRequest
-from engine.step_inputs import InputBuilder, StepInputs
+from engine.step_inputs import HostInputs, InputBuilder, StepInputs
+from engine.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +32,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, args: ModelArgs, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        args: ModelArgs,
+        max_model_len: int,
+        tp: TPGroup | None = None,
+    ) -> None:
+        """``tp``: this rank's tensor-parallel group (None: the whole model here). Every
+        rank constructs its runner at the same time: sizing the KV pool is collective."""
         self.config = config
         self.args = args
+        self.tp = tp or TPGroup.single()
+        self.num_kv_heads = Shard(args, self.tp.rank, self.tp.size).num_kv_heads
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.torch_dtype_name]
         self.block_size = config.block_size
@@ -43,15 +60,19 @@ class ModelRunner:
             config.device,
             config.seed,
             fused_ops=config.fused_ops,
+            tp=self.tp if self.tp.size > 1 else None,
         )
         self.num_blocks = self._size_kv_cache()
+        if self.tp.size > 1:
+            # Block ids mean the same blocks on every rank: the pool is the smallest one.
+            self.num_blocks = self.tp.min_int(self.num_blocks)
         self.kv_cache = torch.zeros(
             (
                 args.num_layers,
                 2,
                 self.num_blocks,
                 self.block_size,
-                args.num_kv_heads,
+                self.num_kv_heads,
                 args.head_dim,
             ),
             dtype=self.dtype,
@@ -77,6 +98,11 @@ class ModelRunner:
             or not self.config.cuda_graphs
         ):
             return None
+        if self.tp.size > 1:
+            # Capturing the all-reduces needs every rank to capture and replay in step;
+            # not built yet, so tensor-parallel decode steps run eagerly.
+            logger.info("CUDA graphs are off under tensor parallelism (not supported yet)")
+            return None
         graphs = DecodeGraphs(
             lambda ids, pos, meta: self.model.compute_logits(
                 self.model(ids, pos, self.kv_cache, meta)
@@ -92,7 +118,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.args
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * a.num_kv_heads * a.head_dim * elem * a.num_layers
+        return 2 * self.block_size * self.num_kv_heads * a.head_dim * elem * a.num_layers
 
     def _size_kv_cache(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -121,7 +147,7 @@ class ModelRunner:
                 2,
                 2 + -(-n // self.block_size),
                 self.block_size,
-                self.args.num_kv_heads,
+                self.num_kv_heads,
                 self.args.head_dim,
             ),
             dtype=self.dtype,
@@ -166,7 +192,21 @@ class ModelRunner:
         requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
         positions, in order), request after request. ``input_ids`` on the device replace
         the requests' token ids (async scheduling: the previous step's sampled tokens)."""
-        inputs = self.prepare(scheduled, input_ids)
+        return self.run(self.prepare(scheduled, input_ids))
+
+    def prepare_host(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> HostInputs:
+        """The host half of ``prepare`` (what rank 0 sends the other ranks)."""
+        return self._inputs.host(scheduled, input_ids)
+
+    def to_device(self, host: HostInputs, input_ids: torch.Tensor | None = None) -> StepInputs:
+        """The device half of ``prepare``."""
+        return self._inputs.to_device(host, input_ids)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of a prepared step; logits as ``execute`` says."""
         if (
             self.graphs is not None
             and inputs.meta.max_query_len == 1

@@ -14,6 +14,24 @@ from engine.scheduler import ScheduledRequest
 
 
 @dataclass(slots=True)
+class HostInputs:
+    """A step's inputs on the host, before the copy to the device; what rank 0 hands the
+    other tensor-parallel ranks (``engine/step_wire.py``). ``ids`` is empty when the step's
+    token ids come from the device (async scheduling)."""
+
+    ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slots: np.ndarray  # int64 [num_tokens]
+    logits_idx: np.ndarray  # int64 [rows whose logits the step needs]
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1]
+    seq_lens: np.ndarray  # int32 [num_reqs]
+    block_tables: np.ndarray  # int32 [num_reqs, max_blocks]
+    max_query_len: int
+    starts: list[int]  # query_start_loc as a list (the metadata's host copy)
+    seq_lens_list: list[int]
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -113,6 +131,12 @@ class InputBuilder:
         """``input_ids`` (on the device), when given, are the step's token ids instead of
         the requests' own: async scheduling feeds a decode step the previous step's sampled
         tokens before the host has them."""
+        return self.to_device(self.host(scheduled, input_ids), input_ids)
+
+    def host(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> HostInputs:
+        """The host half of ``build`` (``ids`` left empty when ``input_ids`` is given)."""
         if not scheduled:
             raise ValueError("scheduled must hold at least one request")
         bs = self.block_size
@@ -174,18 +198,35 @@ class InputBuilder:
             logits_idx = np.array(logits_rows(scheduled, starts), dtype=np.int64)
         else:
             logits_idx = qsl[1:] - 1
-        parts64 = (np.array(ids, dtype=np.int64), positions, slots, logits_idx)
-        parts32 = (qsl.astype(np.int32), lens.astype(np.int32), tables.reshape(-1))
+        return HostInputs(
+            np.array(ids, dtype=np.int64),
+            positions,
+            slots,
+            logits_idx,
+            qsl.astype(np.int32),
+            lens.astype(np.int32),
+            tables,
+            max_query_len,
+            starts,
+            seq_lens,
+        )
+
+    def to_device(self, host: HostInputs, input_ids: torch.Tensor | None = None) -> StepInputs:
+        """The device half of ``build``: copy ``host`` to the device (``input_ids``, on the
+        device, replace ``host.ids``)."""
+        n, max_blocks = host.block_tables.shape
+        parts64 = (host.ids, host.positions, host.slots, host.logits_idx)
+        parts32 = (host.query_start_loc, host.seq_lens, host.block_tables.reshape(-1))
         d64, d32 = self._to_device(parts64, parts32)
         meta = AttentionMetadata(
             slot_mapping=d64[2],
             query_start_loc=d32[0],
             seq_lens=d32[1],
             block_tables=d32[2].view(n, max_blocks),
-            max_query_len=max_query_len,
-            max_seq_len=int(lens.max()),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
+            max_query_len=host.max_query_len,
+            max_seq_len=max(host.seq_lens_list),
+            query_start_loc_cpu=host.starts,
+            seq_lens_cpu=host.seq_lens_list,
         )
         return StepInputs(
             input_ids=d64[0] if input_ids is None else input_ids,

@@ -12,6 +12,7 @@ from engine.attention.base import AttentionBackend
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from engine.models.layer_ops import get_layer_ops
 from engine.models.llama import LlamaForCausalLM
+from engine.tp_group import TPGroup
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model"]
 
@@ -30,14 +31,17 @@ def build_model(
     device: str,
     seed: int = 0,
     fused_ops: bool = False,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """``fused_ops``: Triton kernels for the element-wise work on CUDA (layer_ops.py)."""
+    """``fused_ops``: Triton kernels for the element-wise work on CUDA (layer_ops.py).
+    ``tp``: build and load only this rank's shard (engine/models/parallel.py)."""
     cls = _REGISTRY[args.architecture]
     ops = get_layer_ops(device, fused_ops)
     with torch.device(device):
-        model = cls(args, backend, max_positions, ops)
+        model = cls(args, backend, max_positions, ops, tp)
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        # Each rank draws its own shard's values (random either way: shapes set the speed).
+        _init_dummy(model, seed + (tp.rank if tp is not None else 0))
     else:
         model.load_weights(_iter_safetensors(model_dir))
     model.to(dtype=dtype)

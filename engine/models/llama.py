@@ -1,8 +1,8 @@
 """The Llama family over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
 
-Projections are merged (q|k|v and gate|up) for fewer, larger matmuls. Each merged projection
-is split by output columns and each down/output projection by input rows, so a later
-tensor-parallel version can shard them without changing the layer structure.
+Projections are merged (q|k|v and gate|up) for fewer, larger matmuls. Under tensor
+parallelism (``Shard``, engine/models/parallel.py) each merged projection holds this rank's
+output columns and each o/down projection its input rows, followed by one all-reduce.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
 from engine.models.layer_ops import LayerOps, TorchOps
+from engine.models.parallel import Shard, VocabParallelEmbedding, gather_logits
 from engine.models.rope import RotaryEmbedding
+from engine.tp_group import TPGroup
 
 
 def _project(ops: LayerOps, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -43,15 +45,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, shard: Shard, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPGroup
+    ) -> None:
         super().__init__()
+        args = shard.args
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_heads,
-            args.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             args.head_dim,
         )
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        self.q_size = self.num_heads * args.head_dim
+        self.kv_size = self.num_kv_heads * args.head_dim
+        self.tp = tp
         self.qkv_proj = nn.Linear(
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
         )
@@ -87,28 +93,35 @@ class Attention(nn.Module):
         else:
             q, k = self.rope(positions, q, k)
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return _project(self.rope.ops, self.o_proj, out.reshape(-1, self.q_size))
+        out = _project(self.rope.ops, self.o_proj, out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, ops: LayerOps) -> None:
+    def __init__(self, shard: Shard, ops: LayerOps, tp: TPGroup) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        hidden, inter = shard.args.hidden_size, shard.intermediate_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = _project(self.ops, self.gate_up_proj, x)
-        return _project(self.ops, self.down_proj, self.ops.silu_mul(gate_up))
+        out = _project(self.ops, self.down_proj, self.ops.silu_mul(gate_up))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, shard: Shard, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPGroup
+    ) -> None:
         super().__init__()
+        args = shard.args
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
-        self.self_attn = Attention(args, rope, backend)
+        self.self_attn = Attention(shard, rope, backend, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
-        self.mlp = MLP(args, rope.ops)
+        self.mlp = MLP(shard, rope.ops, tp)
 
     def forward(
         self,
@@ -137,18 +150,22 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         ops: LayerOps = TorchOps,
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: this rank's group (None: one process holds the whole model)."""
         super().__init__()
         self.args = args
+        self.tp = tp or TPGroup.single()
+        self.shard = shard = Shard(args, self.tp.rank, self.tp.size)
         rope = RotaryEmbedding(
             args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops
         )
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard, self.tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, rope, backend) for _ in range(args.num_layers)
+            DecoderLayer(shard, rope, backend, self.tp) for _ in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = rope
@@ -170,27 +187,32 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Float32 logits ``[rows, vocab]`` (all-gathered from the ranks' vocab slices)."""
+        return gather_logits(self.tp, self.lm_head(hidden), self.args.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the merged layout; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        a = self.args
-        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        a, sh = self.args, self.shard
+        q_size, kv_size = sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim
+        inter = sh.intermediate_size
         shards = {
             "q_proj": ("qkv_proj", 0, q_size),
             "k_proj": ("qkv_proj", q_size, kv_size),
             "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
-            "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
         }
-        for hf_name, tensor in weights:
+        for vocab_param in (self.embed_tokens.weight, self.lm_head.weight):
+            vocab_param.data.zero_()  # the vocab slice's padding rows stay zero
+        for hf_name, full in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and a.tie_word_embeddings:
                 continue
+            tensor = sh.slice_checkpoint(name, full)
             for shard, (merged, offset, size) in shards.items():
                 if f".{shard}." in name:
                     name = name.replace(shard, merged)
@@ -201,7 +223,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-                params[name].data.copy_(tensor)
+                dest: torch.Tensor = params[name].data
+                if name in ("embed_tokens.weight", "lm_head.weight"):
+                    dest = dest[: tensor.shape[0]]  # the last vocab slice may be short
+                dest.copy_(tensor)
                 loaded.add(name)
         self._check_complete(params, loaded)
 

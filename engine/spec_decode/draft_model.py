@@ -93,6 +93,7 @@ class DraftModelProposer:
             enable_prefix_caching=False,
             num_kv_blocks=spec.num_blocks or target_num_blocks,
             max_model_len=max_model_len,
+            tensor_parallel_size=1,  # the draft runs whole, next to rank 0's shard
         )
         self.runner = ModelRunner(config, args, max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, enable_caching=False)

@@ -1,0 +1,267 @@
+"""``MultiprocExecutor``: tensor parallelism with one process per rank.
+
+This process is rank 0: it keeps the scheduler, the sampler and everything else, and a
+``ModelRunner`` of its own shard. It starts ranks 1..N-1 as fresh interpreters
+(``python -m engine.tp_worker``; a fresh interpreter, so nothing of this process, and not
+its ``__main__``, is re-run) and hands each its settings on stdin. The group forms through
+a private ``TCPStore`` on a free loopback port: no environment variables, no global
+process group.
+
+Per step rank 0 builds the host inputs, writes an 80-byte header to every worker's stdin
+(the doorbell: a worker idles blocked on it, with no collective and so no timeout running)
+and broadcasts one packed buffer (``engine/step_wire.py``); then every rank runs the
+forward pass and rank 0 gets the full logits.
+
+Failure: a worker found dead before a step, a header that cannot be written, or a failed
+or timed-out collective fail the step with ``TensorParallelError`` naming the ranks and how
+they ended; the remaining workers are stopped and every later step raises the same error.
+Workers exit when rank 0 does: stdin reaches EOF, their collectives fail, and a watchdog
+thread polls the parent pid (PR_SET_PDEATHSIG is tied to the thread that started the
+process, which may end long before the engine does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import ModelArgs
+from engine.scheduler import ScheduledRequest
+from engine.step_wire import OP_SHUTDOWN, Header, pack
+from engine.tp_group import TPError, TPGroup, timedelta
+
+logger = logging.getLogger(__name__)
+
+UP_KEY = "pdserve-tp/up/{rank}"
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel engine cannot run: a rank died, hung or failed to start."""
+
+
+_FAILURES = (TPError, TensorParallelError, OSError)
+
+
+def device_for_rank(device: str, rank: int) -> str:
+    """``cpu`` for every rank; on CUDA rank r takes the r-th GPU from the configured one."""
+    if device == "cpu":
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+@dataclass(slots=True)
+class BroadcastStats:
+    """Time rank 0 spends handing out step inputs (headers + broadcasts), per step."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.max_seconds = max(self.max_seconds, seconds)
+
+    @property
+    def mean_us(self) -> float:
+        return 1e6 * self.seconds / self.steps if self.steps else 0.0
+
+
+def _describe(proc: subprocess.Popen[bytes], rank: int) -> str:
+    code = proc.poll()
+    if code is None:
+        return f"rank {rank} (pid {proc.pid}) is running"
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+    return f"rank {rank} (pid {proc.pid}) exited with {how}"
+
+
+def _stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Close every worker's stdin (a worker exits on EOF), then kill what is still there."""
+    for p in procs:
+        if p.stdin is not None and not p.stdin.closed:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class MultiprocExecutor:
+    """Rank 0 of ``config.tensor_parallel_size`` ranks; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, args: ModelArgs, max_model_len: int) -> None:
+        size = config.tensor_parallel_size
+        if config.device != "cpu":
+            base = int(config.device.partition(":")[2] or 0)
+            have = torch.cuda.device_count()
+            if base + size > have:
+                raise ValueError(
+                    f"tensor_parallel_size {size} needs {size} GPUs from {config.device}; "
+                    f"this machine has {have}"
+                )
+        self.size = size
+        self.timeout_s = config.distributed_timeout
+        self.stats = BroadcastStats()
+        self._failed: TensorParallelError | None = None
+        self._closed = False
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            timedelta(self.timeout_s),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+        self._procs = [self._spawn(config, r, max_model_len) for r in range(1, size)]
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, 2.0)
+        self.tp = TPGroup.single()
+        try:
+            self._await_workers()
+            device = device_for_rank(config.device, 0)
+            if device != "cpu":
+                torch.cuda.set_device(device)
+            self.tp = TPGroup.create(self._store, 0, size, torch.device(device), self.timeout_s)
+            rank0 = dataclasses.replace(config, device=device)
+            self.runner = ModelRunner(rank0, args, max_model_len, self.tp)
+        except Exception as e:
+            # Say how the workers ended before stopping them; other errors (a bad
+            # checkpoint on rank 0, ...) pass through unchanged.
+            error = self._error(e, "start-up") if isinstance(e, _FAILURES) else None
+            self.shutdown()
+            if error is not None:
+                raise error from e
+            raise
+        logger.info("tensor parallel: %d ranks up (workers %s)", size, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _spawn(
+        self, config: EngineConfig, rank: int, max_model_len: int
+    ) -> subprocess.Popen[bytes]:
+        spec = {
+            "config": dataclasses.asdict(
+                dataclasses.replace(
+                    config, device=device_for_rank(config.device, rank), speculative=None
+                )
+            ),
+            "rank": rank,
+            "size": self.size,
+            "store_port": self._store.port,
+            "parent_pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "max_model_len": max_model_len,
+        }
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)  # where `engine` imports from
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE, bufsize=0, env=env
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(spec).encode() + b"\n")
+        return proc
+
+    def _await_workers(self) -> None:
+        """Until every worker has reached the store, or one has died, or the timeout."""
+        keys = [UP_KEY.format(rank=r) for r in range(1, self.size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self._store.check(keys):
+            if any(p.poll() is not None for p in self._procs):
+                raise TensorParallelError("a worker exited before joining")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"workers did not start within {self.timeout_s} s")
+            time.sleep(0.02)
+
+    def _error(self, cause: BaseException, when: str) -> TensorParallelError:
+        """A ``TensorParallelError`` for ``cause`` that says how each worker ended."""
+        deadline = time.monotonic() + 1.0  # a dead peer's exit status may lag its sockets
+        for p in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        dead = [_describe(p, r) for r, p in enumerate(self._procs, 1) if p.poll() is not None]
+        ranks = "; ".join(dead) if dead else "no worker exited"
+        return TensorParallelError(
+            f"tensor-parallel {when} failed ({self.size} ranks): {ranks}. Cause: {cause}"
+        )
+
+    def _check_workers(self) -> None:
+        if any(p.poll() is not None for p in self._procs):
+            raise TensorParallelError("a worker is gone")
+
+    def execute(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hand the step to every rank and run rank 0's part; the full logits."""
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel executor is shut down")
+        runner = self.runner
+        host = runner.prepare_host(scheduled, input_ids)
+        header, buffer = pack(host, input_ids is not None)
+        try:
+            self._check_workers()
+            start = time.perf_counter()
+            doorbell = header.encode()
+            for p in self._procs:
+                assert p.stdin is not None
+                p.stdin.write(doorbell)
+            self.tp.broadcast(torch.from_numpy(buffer), host=True)
+            if input_ids is not None:
+                self.tp.broadcast(input_ids.contiguous(), host=False)
+            self.stats.record(time.perf_counter() - start)
+            return runner.run(runner.to_device(host, input_ids))
+        except _FAILURES as e:
+            self._failed = self._error(e, "step")
+            logger.error("%s", self._failed)
+            self._teardown(grace_s=0.0)
+            raise self._failed from e
+
+    def _teardown(self, grace_s: float) -> None:
+        self._finalizer.detach()
+        _stop_workers(self._procs, grace_s)
+        self.tp.close()
+
+    def shutdown(self) -> None:
+        """Stop every worker (a shutdown header, then EOF, then SIGKILL after a grace)."""
+        if self._closed:
+            return
+        self._closed = True
+        bye = Header(OP_SHUTDOWN).encode()
+        for p in self._procs:
+            try:
+                if p.stdin is not None and not p.stdin.closed:
+                    p.stdin.write(bye)
+            except OSError:
+                pass  # already gone
+        self._teardown(grace_s=5.0)
+        if self.stats.steps:
+            logger.info(
+                "tensor parallel: %d steps, step inputs handed out in %.1f us mean, %.1f us max",
+                self.stats.steps,
+                self.stats.mean_us,
+                1e6 * self.stats.max_seconds,
+            )

@@ -1,0 +1,108 @@
+"""A tensor-parallel worker rank (1..N-1): ``python -m engine.tp_worker``, started by rank 0.
+
+stdin carries one JSON line of settings (``MultiprocExecutor._spawn``), then step headers
+(``engine/step_wire.py``). The worker joins the group, builds its ``ModelRunner`` (its
+shard, its KV heads' cache), and then, for every header, receives the packed step inputs
+and runs the forward pass with the other ranks. It exits on a shutdown header, on EOF
+(rank 0 closed the pipe or died), when a collective fails or times out, and when its parent
+changes (a watchdog thread: rank 0 died without the pipe closing, e.g. a forked child of
+rank 0 still holds the pipe's write end).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import BinaryIO
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import ModelArgs
+from engine.step_wire import HEADER_SIZE, OP_SHUTDOWN, Header, unpack
+from engine.tp_executor import UP_KEY
+from engine.tp_group import TPGroup, timedelta
+
+logger = logging.getLogger("engine.tp_worker")
+
+
+def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(3)  # rank 0 is gone: nothing more will come
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
+    """``n`` bytes, or None at EOF."""
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def serve(runner: ModelRunner, tp: TPGroup, stream: BinaryIO) -> None:
+    """Run steps as rank 0 announces them, until a shutdown header or EOF."""
+    while True:
+        data = _read_exact(stream, HEADER_SIZE)
+        if data is None:
+            return
+        header = Header.decode(data)
+        if header.op == OP_SHUTDOWN:
+            return
+        buffer = torch.empty(header.buffer_len, dtype=torch.int64)
+        tp.broadcast(buffer, host=True)
+        host = unpack(header, buffer.numpy())
+        ids = None
+        if header.ids_on_device:
+            ids = torch.empty(header.num_tokens, dtype=torch.int64, device=runner.device)
+            tp.broadcast(ids, host=False)
+        runner.run(runner.to_device(host, ids))
+
+
+def main() -> int:
+    stream = sys.stdin.buffer
+    spec = json.loads(stream.readline())
+    rank, size = int(spec["rank"]), int(spec["size"])
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    _watch_parent(int(spec["parent_pid"]))
+    torch.set_num_threads(int(spec["torch_threads"]))
+    config = EngineConfig(**spec["config"])
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = config.distributed_timeout
+    store = dist.TCPStore(
+        "127.0.0.1", int(spec["store_port"]), None, False, timedelta(timeout), use_libuv=True
+    )
+    store.set(UP_KEY.format(rank=rank), str(os.getpid()))
+    tp = TPGroup.create(store, rank, size, device, timeout)
+    args = ModelArgs.from_hf(config.hf_config())
+    runner = ModelRunner(config, args, int(spec["max_model_len"]), tp)
+    serve(runner, tp, stream)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except Exception:
+        logger.exception("tensor-parallel worker failed")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: destroying a process group whose peers are gone can block.
+    os._exit(code)
