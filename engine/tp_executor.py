@@ -43,7 +43,7 @@ from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
 from engine.step_wire import OP_SHUTDOWN, Header, pack
-from engine.tp_group import TPError, TPGroup, timedelta
+from engine.tp_group import TPError, TPGroup, startup_timeout, timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class MultiprocExecutor:
             0,
             None,
             True,
-            timedelta(self.timeout_s),
+            timedelta(startup_timeout(self.timeout_s)),
             wait_for_workers=False,
             use_libuv=True,
         )
@@ -187,12 +187,13 @@ class MultiprocExecutor:
     def _await_workers(self) -> None:
         """Until every worker has reached the store, or one has died, or the timeout."""
         keys = [UP_KEY.format(rank=r) for r in range(1, self.size)]
-        deadline = time.monotonic() + self.timeout_s
+        limit = startup_timeout(self.timeout_s)
+        deadline = time.monotonic() + limit
         while not self._store.check(keys):
             if any(p.poll() is not None for p in self._procs):
                 raise TensorParallelError("a worker exited before joining")
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"workers did not start within {self.timeout_s} s")
+                raise TensorParallelError(f"workers did not start within {limit} s")
             time.sleep(0.02)
 
     def _error(self, cause: BaseException, when: str) -> TensorParallelError:

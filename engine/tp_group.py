@@ -34,11 +34,19 @@ def timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(0.001, seconds))
 
 
+def startup_timeout(timeout_s: float) -> float:
+    """How long ranks may take to meet: model loading on a busy host takes a while, so at
+    least two minutes whatever the per-operation timeout (a rank that dies meanwhile is
+    noticed at once by rank 0, which watches the processes)."""
+    return max(timeout_s, 120.0)
+
+
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float) -> Any:
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     # Loopback: every rank is on this host; the hostname may not resolve in a container.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = timedelta(timeout_s)
+    # Gloo applies this to connecting; each operation's wait has ``TPGroup.timeout_s``.
+    opts._timeout = timedelta(startup_timeout(timeout_s))
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 

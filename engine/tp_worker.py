@@ -27,7 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.step_wire import HEADER_SIZE, OP_SHUTDOWN, Header, unpack
 from engine.tp_executor import UP_KEY
-from engine.tp_group import TPGroup, timedelta
+from engine.tp_group import TPGroup, startup_timeout, timedelta
 
 logger = logging.getLogger("engine.tp_worker")
 
@@ -86,7 +86,12 @@ def main() -> int:
         torch.cuda.set_device(device)
     timeout = config.distributed_timeout
     store = dist.TCPStore(
-        "127.0.0.1", int(spec["store_port"]), None, False, timedelta(timeout), use_libuv=True
+        "127.0.0.1",
+        int(spec["store_port"]),
+        None,
+        False,
+        timedelta(startup_timeout(timeout)),
+        use_libuv=True,
     )
     store.set(UP_KEY.format(rank=rank), str(os.getpid()))
     tp = TPGroup.create(store, rank, size, device, timeout)
