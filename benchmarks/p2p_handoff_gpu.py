@@ -100,15 +100,21 @@ def _consume(engine: Any, rid: str, prompt: list[int], handle: dict[str, Any], n
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params, output_token_ids=[handle["first"]], remote_kv=remote)
     stamps: list[float] = []
-    load_s = 0.0
+    load_s, recomputed = 0.0, 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.new_token_ids:
                 stamps.append(time.perf_counter())
                 load_s = load_s or out.kv_load_seconds
+                recomputed = recomputed or out.kv_blocks_recomputed
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     itl = statistics.median(gaps)
-    return {"token2_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl * 1e3, "load_ms": load_s * 1e3}
+    return {
+        "token2_ms": (stamps[0] - t0) * 1e3,
+        "itl_ms": itl * 1e3,
+        "load_ms": load_s * 1e3,
+        "blocks_recomputed": recomputed,  # > 0: the handoff failed and decode recomputed
+    }
 
 
 def run(connector: str, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
@@ -142,13 +148,14 @@ def run(connector: str, args: argparse.Namespace, workdir: str) -> dict[str, Any
         proc.join(60)
         if proc.is_alive():
             proc.kill()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "blocks_recomputed"}
     kv_bytes = args.prompt_len * consumer_token_bytes[0]
     return {
         "connector": connector,
         **{f"{k}_p50": round(v, 3) for k, v in med.items()},
         "added_ms_p50": round(med["token2_ms"] - med["itl_ms"], 3),
         "kv_mib": kv_bytes / 2**20,
+        "fallbacks": sum(1 for r in rows if r["blocks_recomputed"]),
         "load_gb_s": round(kv_bytes / (med["load_ms"] / 1e3) / 1e9, 1) if med["load_ms"] else None,
         "rows": rows,
     }
@@ -174,12 +181,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.connectors.split(","):
             results.append(run(name, args, workdir))
-    head = "| connector | KV MiB | KV load p50 ms | load GB/s | token 2 p50 ms | ITL p50 ms | added p50 ms |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = (
+        "| connector | KV MiB | KV load p50 ms | load GB/s | token 2 p50 ms | ITL p50 ms "
+        "| added p50 ms | fallbacks |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['connector']} | {r['kv_mib']:.1f} | {r['load_ms_p50']} | {r['load_gb_s']} | "
-            f"{r['token2_ms_p50']} | {r['itl_ms_p50']} | {r['added_ms_p50']} |"
+            f"{r['token2_ms_p50']} | {r['itl_ms_p50']} | {r['added_ms_p50']} | "
+            f"{r['fallbacks']}/{len(r['rows'])} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -157,7 +157,7 @@ class PeerLink:
             ids = t.block_ids[t.start_block : t.start_block + n]
             if group is None:
                 nbytes = self._copy_ipc(meta, ids, mover, job)
-                send_msg(sock, {"op": "copied"}, job.deadline)
+                send_msg(sock, {"op": "copied", "ok": True}, job.deadline)
             else:
                 nbytes = mover.recv(group, ids, job.deadline, job.ready)
             end = recv_msg(sock, job.deadline)
@@ -197,7 +197,10 @@ class PeerLink:
         assert stream is not None
         if job.ready is not None:
             stream.wait_event(job.ready)
-        copy_blocks(self._ipc_src, src, self._config.kv, ids, stream, mover.batch_blocks)
+        try:
+            copy_blocks(self._ipc_src, src, self._config.kv, ids, stream, mover.batch_blocks)
+        except RuntimeError as e:  # a CUDA error: drop the mapping, the next pull reconnects
+            raise PeerError(f"p2p cuda_ipc copy failed: {e}") from None
         return len(ids) * mover.block_bytes
 
     def _connect(self, deadline: float) -> None:
