@@ -91,6 +91,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ("--seed", {"type": int, "default": 0, "help": "engine seed"}, False),
     ("--speculative", {"default": None, "help": SPECULATIVE_HELP}, False),
     (
+        "--tensor-parallel-size",
+        {
+            "type": positive_int,
+            "default": 1,
+            "help": "shard the model over this many processes (GPUs on CUDA)",
+        },
+        True,
+    ),
+    (
         "--torch-threads",
         {
             "type": non_negative_int,
@@ -198,6 +207,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory

@@ -213,3 +213,30 @@ def test_tensor_parallel_size_that_does_not_fit_is_refused(tiny_model_dir: Path)
             EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2),
             connector=object(),  # type: ignore[arg-type]
         )
+
+
+def test_flag_env_twin_and_up_forwarding(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from engine_service.settings import (
+        add_forwarded_engine_arguments,
+        add_service_arguments,
+        engine_config_from_args,
+        forward_engine_flags,
+    )
+
+    monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "2")
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser, role="prefill")
+    args = parser.parse_args(["--model", str(tiny_model_dir)])
+    assert engine_config_from_args(args).tensor_parallel_size == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tensor-parallel-size", "0"])
+    up = argparse.ArgumentParser()
+    add_forwarded_engine_arguments(up)
+    assert forward_engine_flags(up.parse_args(["--tensor-parallel-size", "4"])) == [
+        "--tensor-parallel-size",
+        "4",
+    ]
