@@ -1,7 +1,7 @@
 """Model fingerprint: identifies KV compatibility across processes and machines.
 
-It covers the model's config, the identity of its weights, the KV dtype, the block size and
-the KV layout version. Weights are identified by file names, sizes, the safetensors headers
+It covers the model's config, the identity of its weights, the KV dtype, the block size,
+the KV layout version and (when above 1) the tensor-parallel size. Weights are identified by file names, sizes, the safetensors headers
 and a sample of tensor bytes (hashing many GB at every start would be too slow).
 """
 
@@ -20,6 +20,10 @@ def model_fingerprint(config: EngineConfig) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(config.hf_config(), sort_keys=True, default=str).encode())
     h.update(f"|{config.torch_dtype_name}|{config.block_size}|v{KV_LAYOUT_VERSION}|".encode())
+    if config.tensor_parallel_size > 1:
+        # Each rank's cache holds only its KV heads: blocks of another split are not
+        # interchangeable, so a handle from it must not match (N = 1 keeps its old value).
+        h.update(f"tp{config.tensor_parallel_size}|".encode())
     if config.load_format == "dummy":
         h.update(f"dummy:{config.seed}".encode())
     else:

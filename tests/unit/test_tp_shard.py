@@ -4,6 +4,7 @@ holds (``Shard``), and the step inputs' header + packed buffer round trip (``ste
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,3 +108,12 @@ def test_header_rejects_garbage() -> None:
         Header.decode(b"\x07" * 80)
     with pytest.raises(ValueError, match="80 bytes"):
         Header.decode(b"\x00" * 10)
+
+
+def test_fingerprint_tells_tensor_parallel_sizes_apart(tiny_model_dir: Path) -> None:
+    from engine.config import EngineConfig
+    from engine.fingerprint import model_fingerprint
+
+    one = model_fingerprint(EngineConfig(model=str(tiny_model_dir)))
+    two = model_fingerprint(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2))
+    assert one != two
