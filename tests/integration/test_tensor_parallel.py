@@ -101,15 +101,30 @@ def test_tp2_greedy_matches_tp1_and_transformers(
     assert tp2 == expected
 
 
-def test_tp2_chunked_prefill_async_scheduling_match_tp1(tiny_model_dir: Path) -> None:
-    """A small token budget splits prompts over steps (mixed with decodes); async scheduling
-    sends decode steps' token ids from the device (a second broadcast)."""
+def test_tp2_chunked_prefill_preemption_async_scheduling_match_tp1(tiny_model_dir: Path) -> None:
+    """A small token budget splits prompts over steps (mixed with decodes), a small pool
+    forces recompute preemption, and async scheduling sends decode steps' token ids from
+    the device (a second broadcast)."""
     prompts = _prompts(6, seed=9)
-    knobs = {"max_num_batched_tokens": 24, "block_size": 8, "async_scheduling": True}
+    knobs = {
+        "max_num_batched_tokens": 24,
+        "block_size": 8,
+        "num_kv_blocks": 16,
+        "async_scheduling": True,
+    }
     tp1 = _run_staggered(_engine(tiny_model_dir, 1, **knobs), prompts, MAX_NEW)
     engine = _engine(tiny_model_dir, 2, **knobs)
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def counting(request: Any, out: Any) -> int:
+        preempted.append(request.request_id)
+        return preempt(request, out)
+
+    engine.scheduler._preempt = counting  # type: ignore[method-assign]
     try:
         tp2 = _run_staggered(engine, prompts, MAX_NEW)
+        assert preempted, "a 16-block pool must preempt"
         assert engine.pipeline is not None and engine.pipeline.num_launched_ahead > 0
         assert engine.executor.stats.steps == engine.num_steps  # type: ignore[attr-defined]
     finally:
