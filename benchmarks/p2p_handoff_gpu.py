@@ -35,6 +35,9 @@ MULTICAST_OFF = {
 
 def _engine(settings: dict[str, Any], blocks: int, max_len: int) -> Any:
     import os
+    import sys
+
+    sys.setswitchinterval(0.001)  # as AsyncLLMEngine sets it in the services
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -102,7 +105,13 @@ def _consume(engine: Any, rid: str, prompt: list[int], handle: dict[str, Any], n
     stamps: list[float] = []
     load_s, recomputed = 0.0, 0
     while engine.has_unfinished():
-        for out in engine.step():
+        steps = engine.num_steps
+        outputs = engine.step()
+        if engine.num_steps == steps and not outputs:
+            # Only the transfer is in flight: give its thread the GIL, as the service's
+            # engine loop does (a busy loop here would starve the pull).
+            time.sleep(0.001)
+        for out in outputs:
             if out.new_token_ids:
                 stamps.append(time.perf_counter())
                 load_s = load_s or out.kv_load_seconds

@@ -31,6 +31,8 @@ from kv_store.p2p.wire import PeerError, connect, expect, recv_msg, send_msg, sp
 
 logger = logging.getLogger(__name__)
 
+IPC_BATCH_BYTES = 256 * 1024 * 1024
+
 
 @dataclass(slots=True)
 class PullJob:
@@ -244,7 +246,9 @@ class PeerLink:
             self._avoid_ipc = True
             raise PeerError(f"p2p cuda_ipc mapping failed: {e}") from None
         mover = BlockMover(kv, "cuda_ipc", self._config.batch_bytes)
-        mover.batch_blocks = int(reply["batch_blocks"])
+        # The copy's temporary lives here, not on the wire: larger batches mean fewer
+        # gather/scatter launches (at most IPC_BATCH_BYTES of scratch).
+        mover.batch_blocks = max(int(reply["batch_blocks"]), IPC_BATCH_BYTES // mover.block_bytes)
         self._mover = mover
         self._counters.pair(made=True)
 
