@@ -105,6 +105,18 @@ def open_cache(desc: dict[str, Any], device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
 
 
+def fusable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether the one-launch Triton copy applies: contiguous caches of one dtype and block
+    shape (the planes of ``[layers, 2]`` then sit ``stride(1)`` apart)."""
+    return (
+        src.is_contiguous()
+        and dst.is_contiguous()
+        and src.dtype == dst.dtype
+        and src.shape[:2] == dst.shape[:2]
+        and src.shape[3:] == dst.shape[3:]
+    )
+
+
 def copy_blocks(
     src: torch.Tensor,
     src_ids: list[int],
@@ -113,13 +125,24 @@ def copy_blocks(
     stream: torch.cuda.Stream,
     batch_blocks: int,
 ) -> None:
-    """Copy blocks ``src[:, :, src_ids]`` into ``dst[:, :, dst_ids]`` on ``stream`` in
-    batches of ``batch_blocks`` (bounding the temporary), and wait for the copy."""
+    """Copy blocks ``src[:, :, src_ids]`` into ``dst[:, :, dst_ids]`` on ``stream`` and wait
+    for the copy. One Triton launch reading and writing each block once where it applies;
+    otherwise ``index_select`` + ``index_copy_`` in batches of ``batch_blocks`` (bounding
+    the temporary)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError("copy_blocks: source and destination block counts differ")
+    if not src_ids:
+        return
     with torch.cuda.stream(stream):
-        for i in range(0, len(src_ids), batch_blocks):
-            s = torch.tensor(src_ids[i : i + batch_blocks], device=src.device)
-            d = torch.tensor(dst_ids[i : i + batch_blocks], device=dst.device)
-            dst.index_copy_(2, d, src.index_select(2, s))
+        if fusable(src, dst):
+            from kv_store.p2p.block_copy import copy_blocks_triton
+
+            ids = torch.tensor([src_ids, dst_ids], dtype=torch.int64).pin_memory()
+            ids = ids.to(dst.device, non_blocking=True)
+            copy_blocks_triton(src, ids[0], dst, ids[1])
+        else:
+            for i in range(0, len(src_ids), batch_blocks):
+                s = torch.tensor(src_ids[i : i + batch_blocks], device=src.device)
+                d = torch.tensor(dst_ids[i : i + batch_blocks], device=dst.device)
+                dst.index_copy_(2, d, src.index_select(2, s))
     stream.synchronize()
