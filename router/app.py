@@ -183,6 +183,7 @@ def create_app(
         prefill_timeout=settings.prefill_timeout,
         prefill_retries=settings.prefill_retries,
         decode_failovers=settings.decode_failovers,
+        stream_idle_timeout=settings.stream_idle_timeout,
         processor=processor,
         block_size=processor.block_size,
         estimator=estimator or AutoEstimator(),

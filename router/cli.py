@@ -183,6 +183,13 @@ def add_router_arguments(parser: argparse.ArgumentParser | Any) -> None:
     )
     add_env_argument(
         g,
+        "--stream-idle-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a decode stream may go without a chunk before it resumes elsewhere",
+    )
+    add_env_argument(
+        g,
         "--health-interval",
         type=_positive_float,
         default=2.0,
@@ -224,6 +231,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         prefill_timeout=args.prefill_timeout,
         prefill_retries=args.prefill_retries,
         decode_failovers=args.decode_failovers,
+        stream_idle_timeout=args.stream_idle_timeout,
         max_concurrent_requests=args.max_concurrent_requests,
     )
 

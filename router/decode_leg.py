@@ -2,7 +2,9 @@
 
 When the decode instance is lost mid-stream (stream error, or the stream ends without its
 final chunk) the choice resumes on another instance with the prompt and every token
-received so far as ``generated_token_ids``; the KvHandle stays valid and the engine's
+received so far as ``generated_token_ids``; so does a stream whose instance hangs
+(``router.stream_watch``: health checks get no answer, or no chunk for
+``--stream-idle-timeout``); the KvHandle stays valid and the engine's
 per-position seeded sampler draws exactly what the lost instance would have, so the client
 sees each token exactly once. When the consumer leaves (client disconnect) the call is
 cancelled and ``Abort`` sent.
@@ -10,6 +12,7 @@ cancelled and ``Abort`` sent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from router.rpc import (
     logprobs_of,
     sampling_proto,
 )
+from router.stream_watch import StreamWatch
 from router.trace import Delta, Job, Trace
 
 logger = logging.getLogger(__name__)
@@ -149,13 +153,24 @@ async def decode_deltas(
         done = False
         inst.inflight += 1
         try:
-            async for chunk in call:
-                delta = choice.on_chunk(chunk)
-                if delta is not None:
-                    yield delta
-                if chunk.finished or (delta is not None and delta.finish_reason):
-                    done = chunk.finished  # else we stop it (router-side stop): cancel + Abort
-                    return
+            async with StreamWatch(call, inst, leg.stream_idle_timeout) as watch:
+                try:
+                    async for chunk in call:
+                        watch.touch()
+                        delta = choice.on_chunk(chunk)
+                        if delta is not None:
+                            yield delta
+                        if chunk.finished or (delta is not None and delta.finish_reason):
+                            done = chunk.finished  # else we stop it (router-side stop)
+                            return
+                except asyncio.CancelledError:
+                    if not watch.stalled():
+                        raise  # the reader itself is cancelled (client gone)
+                    # Hung instance: resume elsewhere; ``done`` stays False so Abort is sent
+                    # (a paused instance that comes back must not keep generating).
+                    leg.metrics.decode_stalls.labels(watch.kind).inc()
+                    choice.on_failure(StreamBroken(watch.reason or "stalled"), inst, rid)
+                    continue
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True

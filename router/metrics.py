@@ -117,6 +117,13 @@ class RouterMetrics:
         self.decode_failovers = Counter(
             "pdserve_decode_failovers", "Decode streams resumed on another instance", registry=r
         )
+        self.decode_stalls = Counter(
+            "pdserve_decode_stalls",
+            "Decode streams cancelled as hung (health: checks got no answer; idle: no chunk "
+            "within --stream-idle-timeout) before resuming elsewhere",
+            ["reason"],
+            registry=r,
+        )
         labels = ["pool", "instance"]
         self.inst_waiting = Gauge(
             "pdserve_instance_waiting",

@@ -5,6 +5,8 @@ active health loop: every ``health_interval`` seconds each instance must answer 
 standard ``grpc.health.v1`` Check with SERVING and ``GetLoad`` (not draining), both within
 ``check_timeout``, or it is taken out; it is put back as soon as it passes again. A failed
 call during a request takes the instance out at once (passive check) until the next pass.
+A check that gets no answer also sets ``Instance.lost``, which fails the instance's
+in-flight decode streams over (``router.stream_watch``); draining does not.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class Instance:
     inflight: int = 0
     last_error: str = ""
     metadata: tuple[tuple[str, str], ...] = ()  # sent on every call: the control-plane token
+    # Set when a health check got no answer (hung or gone, not draining): streams on the
+    # instance fail over at once (router.stream_watch). Replaced when it passes again.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     def load_score(self) -> float:
         return self.load.waiting * 4 + self.load.running + self.sent_since_poll
@@ -203,6 +208,8 @@ class InstancePool:
                 raise _Unhealthy("draining")
         except (grpc.RpcError, _Unhealthy) as exc:
             self._set_health(inst, False, _describe(exc))
+            if isinstance(exc, grpc.RpcError):
+                inst.lost.set()  # no answer: its streams would stall, so fail them over now
             return
         inst.load = LoadSnapshot(
             waiting=info.waiting,
@@ -218,6 +225,8 @@ class InstancePool:
         self._set_health(inst, True, "")
 
     def _set_health(self, inst: Instance, healthy: bool, reason: str) -> None:
+        if healthy and inst.lost.is_set():
+            inst.lost = asyncio.Event()  # back: new streams get a fresh signal
         if inst.healthy != healthy:
             if healthy:
                 logger.info("%s pool: %s is healthy", self.name, inst.url)

@@ -51,6 +51,7 @@ class LegContext:
     kv_dtype: str = "bfloat16"  # updated from every KvHandle seen (what the estimator prices)
     estimator: AutoEstimator = field(default_factory=AutoEstimator)
     abort_timeout: float = 2.0
+    stream_idle_timeout: float = 30.0  # no decode chunk for this long: fail the stream over
 
     @property
     def shape(self) -> ModelShape:

@@ -13,6 +13,7 @@ class RouterSettings:
     ``api_keys``: empty = no authentication; else every path but ``/health`` needs one
     (and ``/metrics`` unless ``public_metrics``). ``max_prompt_tokens`` None = the model's
     context length. ``max_concurrent_requests`` 0 = unlimited (else 429 beyond it).
+    ``stream_idle_timeout``: a decode stream with no chunk for this long resumes elsewhere.
     """
 
     served_model_names: list[str]
@@ -25,6 +26,7 @@ class RouterSettings:
     prefill_timeout: float = 60.0
     prefill_retries: int = 2
     decode_failovers: int = 3
+    stream_idle_timeout: float = 30.0
     max_concurrent_requests: int = 0
     max_batch_prompts: int = 64
 
@@ -37,8 +39,8 @@ class RouterSettings:
             raise ValueError("max_prompt_tokens must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
-        if self.request_timeout <= 0 or self.prefill_timeout <= 0:
-            raise ValueError("request_timeout and prefill_timeout must be > 0")
+        if min(self.request_timeout, self.prefill_timeout, self.stream_idle_timeout) <= 0:
+            raise ValueError("request_timeout, prefill_timeout and stream_idle_timeout must be > 0")
         if (
             self.prefill_retries < 0
             or self.decode_failovers < 0
