@@ -7,11 +7,12 @@ batches. Loads read batch by batch, verify each record and copy it into the cach
 at the first missing or corrupt block: ``num_loaded_blocks`` counts the intact leading
 blocks and ``failure_reason`` says why the rest did not load. A record that fails
 verification is deleted, so the next save rewrites it instead of every load failing on it.
+With a ``RecordMac`` (``--kv-secret``), records are sealed for their key on save and a
+record whose MAC does not verify fails like a corrupt one, with reason ``"mac"``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -47,14 +48,18 @@ from kv_store.record import (
     record_header,
     record_size,
 )
+from kv_store.record_mac import RecordMac, RecordMacError
+from kv_store.staging import Staging
 
 logger = logging.getLogger(__name__)
 
 
 def record_failure_reason(err: KVRecordError) -> str:
-    """``"checksum"`` | ``"layout"`` | ``"corrupt"`` for a record error."""
+    """``"checksum"`` | ``"mac"`` | ``"layout"`` | ``"corrupt"`` for a record error."""
     if isinstance(err, RecordChecksumError):
         return "checksum"
+    if isinstance(err, RecordMacError):
+        return "mac"
     if isinstance(err, RecordLayoutError):
         return "layout"
     return "corrupt"
@@ -84,10 +89,12 @@ class BlockStoreConnector(AsyncConnectorBase):
         transfer_timeout_s: float = 30.0,
         io_threads: int | None = None,
         staged: bool | None = None,
+        mac: RecordMac | None = None,
     ) -> None:
         """``staged`` (default: when the bound cache is on a GPU) moves each batch of
         blocks through a per-I/O-thread host staging buffer in one copy per direction;
-        tests force it for a CPU cache to run the same path."""
+        tests force it for a CPU cache to run the same path. ``mac``: seal and verify
+        records with the deployment's KV secret (None: checksums only)."""
         if batch_blocks < 1:
             raise ValueError(f"batch_blocks must be >= 1, got {batch_blocks}")
         self.name = name
@@ -98,13 +105,14 @@ class BlockStoreConnector(AsyncConnectorBase):
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.backend = backend
         self.batch_blocks = batch_blocks
+        self.mac = mac
         # Batches of one transfer run in parallel here: the copies, CRC and file/socket I/O
         # all release the GIL. Separate from the per-transfer pool so it cannot deadlock.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kv-{name}-io")
         self._tls = threading.local()
         self._kv_np: np.ndarray | None = None  # the CPU cache as numpy, for the direct paths
         self._staged_opt = staged
-        self._staged = False  # batches go through _Staging (GPU cache, fs/redis backend)
+        self._staged = False  # batches go through Staging (GPU cache, fs/redis backend)
 
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
@@ -131,7 +139,7 @@ class BlockStoreConnector(AsyncConnectorBase):
             present = self.backend.exists(block_keys(self._fingerprint, block_hashes))
         except KVStoreError as e:
             logger.warning("KV lookup failed, treating as a miss: %s", e)
-            self.counters.record_failure("unreachable")
+            self.counters.record_failure(e.reason)
             return 0
         for i, ok in enumerate(present):
             if not ok:
@@ -163,7 +171,7 @@ class BlockStoreConnector(AsyncConnectorBase):
                 res.bytes_moved += fut.result(timeout=max(0.0, deadline.remaining()))
                 res.num_saved_blocks += len(batch)
         except KVStoreError as e:
-            res.ok, res.error, res.failure_reason = False, str(e), "unreachable"
+            res.ok, res.error, res.failure_reason = False, str(e), e.reason
         except (TransferDeadline, FutureTimeout):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         self.counters.record_save(res.num_saved_blocks, res.bytes_moved, skipped)
@@ -177,22 +185,22 @@ class BlockStoreConnector(AsyncConnectorBase):
             staging = self._staging(kv)
             host = staging.gather(kv, [t.block_ids[i] for i, _ in batch])
             slots = list(range(len(batch)))
-            return self._save_batch_direct(self.backend, host, layout, t, batch, slots)
-        if self._kv_np is not None and isinstance(self.backend, VectoredBackend):
-            return self._save_batch_direct(self.backend, self._kv_np, layout, t, batch)
+            return self._save_batch_direct(host, layout, t, batch, slots)
+        if self._kv_np is not None:
+            return self._save_batch_direct(self._kv_np, layout, t, batch)
         bufs: list[bytearray] = getattr(self._tls, "bufs", [])
         items = []
         for j, (i, key) in enumerate(batch):
             block = kv[:, :, t.block_ids[i], : t.block_num_tokens[i]]
-            items.append((key, encode_block(block, layout, bufs[j] if j < len(bufs) else None)))
+            buf = bufs[j] if j < len(bufs) else None
+            items.append((key, encode_block(block, layout, buf, mac=self.mac, key=key)))
         self.backend.put(items)
         # put() has copied the records out (file write / socket send): reuse the buffers.
         self._tls.bufs = [v for _, v in items]
         return sum(len(v) for _, v in items)
 
-    @staticmethod
     def _save_batch_direct(
-        backend: VectoredBackend,
+        self,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
@@ -206,9 +214,10 @@ class BlockStoreConnector(AsyncConnectorBase):
         for j, (i, key) in enumerate(batch):
             n = t.block_num_tokens[i]
             parts = block_parts(kv_np, t.block_ids[i] if slots is None else slots[j], n)
-            items.append((key, [record_header(layout, n, parts), *parts]))
+            head = record_header(layout, n, parts, mac=self.mac, key=key)
+            items.append((key, [head, *parts]))
             nbytes += record_size(layout, n)
-        backend.put_parts(items)
+        self._vectored().put_parts(items)
         return nbytes
 
     def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
@@ -232,7 +241,7 @@ class BlockStoreConnector(AsyncConnectorBase):
                     res.ok, (res.failure_reason, res.error) = False, failure
                     break
         except KVStoreError as e:
-            res.ok, res.error, res.failure_reason = False, str(e), "unreachable"
+            res.ok, res.error, res.failure_reason = False, str(e), e.reason
         except (TransferDeadline, FutureTimeout):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         finally:
@@ -252,14 +261,14 @@ class BlockStoreConnector(AsyncConnectorBase):
             staging = self._staging(kv)
             host = staging.host(len(idx))
             slots = list(range(len(idx)))
-            result = self._load_batch_direct(self._vectored(), host, layout, t, idx, keys, slots)
+            result = self._load_batch_direct(host, layout, t, idx, keys, slots)
             if result[0]:  # scatter the verified leading blocks into the cache
                 full = layout.block_size
                 targets = [(t.block_ids[i], t.block_num_tokens[i]) for i in idx[: result[0]]]
                 staging.scatter(kv, targets, full, slots=len(idx))
             return result
         if self._kv_np is not None:
-            return self._load_batch_direct(self._vectored(), self._kv_np, layout, t, idx, keys)
+            return self._load_batch_direct(self._kv_np, layout, t, idx, keys)
         values = self.backend.get(keys)
         loaded = nbytes = 0
         for i, key, value in zip(idx, keys, values, strict=True):
@@ -267,7 +276,7 @@ class BlockStoreConnector(AsyncConnectorBase):
             if value is None:
                 return loaded, nbytes, ("missing", f"block {key} missing")
             try:
-                block = decode_block(value, layout, expected_tokens=n)
+                block = decode_block(value, layout, n, mac=self.mac, key=key)
             except KVRecordError as e:
                 _drop_bad_record(self.backend, key, e)
                 return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
@@ -281,9 +290,8 @@ class BlockStoreConnector(AsyncConnectorBase):
         assert isinstance(self.backend, VectoredBackend)
         return self.backend
 
-    @staticmethod
     def _load_batch_direct(
-        backend: VectoredBackend,
+        self,
         kv_np: np.ndarray,
         layout: KvLayout,
         t: KVTransfer,
@@ -301,6 +309,7 @@ class BlockStoreConnector(AsyncConnectorBase):
             block_parts(kv_np, w, t.block_num_tokens[i]) for i, w in zip(idx, where, strict=True)
         ]
         bufs: list[list[Blob]] = [[h, *ps] for h, ps in zip(headers, parts, strict=True)]
+        backend = self._vectored()
         sizes: Iterable[int | None]
         sizes = backend.read_into(keys, bufs)  # may be lazy: stops at the first bad block
         loaded = nbytes = 0
@@ -313,9 +322,9 @@ class BlockStoreConnector(AsyncConnectorBase):
                     value = backend.get([key])[0]  # wrong size: decode it whole for the exact error
                     if value is None:
                         return loaded, nbytes, ("missing", f"block {key} missing")
-                    decode_block(value, layout, expected_tokens=n)
+                    decode_block(value, layout, n, mac=self.mac, key=key)
                     raise RecordLayoutError(f"record size {size} does not match {n} tokens")
-                check_record_parts(headers[j], parts[j], layout, n)
+                check_record_parts(headers[j], parts[j], layout, n, mac=self.mac, key=key)
             except KVRecordError as e:
                 _drop_bad_record(backend, key, e)
                 return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
@@ -323,78 +332,13 @@ class BlockStoreConnector(AsyncConnectorBase):
             nbytes += size
         return loaded, nbytes, None
 
-    def _staging(self, kv: torch.Tensor) -> _Staging:
-        staging: _Staging | None = getattr(self._tls, "staging", None)
+    def _staging(self, kv: torch.Tensor) -> Staging:
+        staging: Staging | None = getattr(self._tls, "staging", None)
         if staging is None:
-            staging = self._tls.staging = _Staging(kv, self.batch_blocks)
+            staging = self._tls.staging = Staging(kv, self.batch_blocks)
         return staging
 
     def close(self) -> None:
         super().close()
         self._io.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
-
-
-class _Staging:
-    """One I/O thread's host buffer (pinned for a GPU cache) and stream for moving a batch
-    of blocks between the cache and the store: a save gathers the batch's blocks on the
-    device and copies them out in one transfer, a load copies the verified records in with
-    one transfer and scatters them on the device. Per-block ``.cpu()`` / ``copy_`` calls
-    cost a synchronous small copy each (the two-GPU run moved 512 MiB of KV at ~1 GB/s);
-    the side stream keeps these copies off the engine's compute stream."""
-
-    def __init__(self, kv: torch.Tensor, max_blocks: int) -> None:
-        layers, two, _, block_size, heads, dim = kv.shape
-        self.block_dims = (layers, two, block_size, heads, dim)
-        per_block = layers * two * block_size * heads * dim
-        cuda = kv.device.type == "cuda"
-        self.flat = torch.empty(max_blocks * per_block, dtype=kv.dtype, pin_memory=cuda)
-        self.stream = torch.cuda.Stream(kv.device) if cuda else None
-
-    def _view(self, count: int) -> torch.Tensor:
-        layers, two, block_size, heads, dim = self.block_dims
-        n = layers * two * count * block_size * heads * dim
-        return self.flat[:n].view(layers, two, count, block_size, heads, dim)
-
-    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
-        return (
-            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        )
-
-    def host(self, count: int) -> np.ndarray:
-        """The buffer for ``count`` blocks as an integer numpy array (for ``block_parts``)."""
-        host = cache_numpy(self._view(count))
-        assert host is not None
-        return host
-
-    def gather(self, kv: torch.Tensor, block_ids: list[int]) -> np.ndarray:
-        """Copy the blocks ``block_ids`` of ``kv`` into the buffer (slots 0, 1, ...)."""
-        view = self._view(len(block_ids))
-        with self._on_stream():
-            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-            view.copy_(kv.index_select(2, ids), non_blocking=True)
-        if self.stream is not None:
-            self.stream.synchronize()
-        return self.host(len(block_ids))
-
-    def scatter(
-        self, kv: torch.Tensor, targets: list[tuple[int, int]], block_size: int, slots: int
-    ) -> None:
-        """Copy slot j of the buffer as last filled for ``slots`` blocks (``host(slots)``:
-        the layout depends on the count) into block ``targets[j][0]`` of ``kv``, its first
-        ``targets[j][1]`` tokens only (a partial block leaves the rest untouched)."""
-        view = self._view(slots)
-        with self._on_stream():
-            src = view.to(kv.device, non_blocking=True)
-            full = [j for j, (_, n) in enumerate(targets) if n == block_size]
-            if full:
-                ids = torch.tensor(
-                    [targets[j][0] for j in full], dtype=torch.long, device=kv.device
-                )
-                rows = src if len(full) == slots else src[:, :, full]
-                kv.index_copy_(2, ids, rows)
-            for j, (block_id, n) in enumerate(targets):
-                if n != block_size:
-                    kv[:, :, block_id, :n].copy_(src[:, :, j, :n])
-        if self.stream is not None:
-            self.stream.synchronize()

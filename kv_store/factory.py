@@ -10,6 +10,8 @@
 | --kv-capacity   | PDSERVE_KV_CAPACITY   | byte bound, e.g. 10GiB (common.sizes; fs store;|
 |                 |                       | LMCache's CPU buffer); 0 = unbounded           |
 | --kv-key-prefix | PDSERVE_KV_KEY_PREFIX | namespace before every key (Redis; fs path)    |
+| --kv-secret     | PDSERVE_KV_SECRET     | fs, redis: seal records with a keyed MAC and   |
+|                 |                       | refuse those that do not verify (record_mac.py)|
 | --kv-store      | PDSERVE_KV_STORE      | p2p: also save to fs, redis or lmcache (prefix |
 |                 |                       | reuse, fallback when the peer is unreachable)  |
 | --p2p-host      | PDSERVE_P2P_HOST      | p2p: address to serve pulls on and put in      |
@@ -26,10 +28,12 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.sizes import parse_bytes
 from kv_store.base import KVConnector
+from kv_store.record_mac import ENV as KV_SECRET_ENV
+from kv_store.record_mac import record_mac
 
 __all__ = ["parse_bytes"]  # re-exported: the byte-size rule of --kv-capacity
 
@@ -85,6 +89,10 @@ class KVStoreSettings:
     p2p_port: int = 0
     p2p_lease_s: float = 30.0
     p2p_timeout_s: float = 10.0
+    # fs/redis: records carry HMAC-SHA256 under this secret (empty: checksums only).
+    kv_secret: str = field(default="", repr=False)
+    # p2p: the control-plane token a pulling peer must prove (empty: no check).
+    p2p_token: str = field(default="", repr=False)
 
     @property
     def store_kind(self) -> str:
@@ -150,13 +158,16 @@ class KVStoreSettings:
             p2p_port=_parse_port(env.get("PDSERVE_P2P_PORT", "0")),
             p2p_lease_s=_parse_seconds(env.get("PDSERVE_P2P_LEASE_SECONDS", "30")),
             p2p_timeout_s=_parse_seconds(env.get("PDSERVE_P2P_TIMEOUT", "10")),
+            kv_secret=env.get(KV_SECRET_ENV, ""),
+            p2p_token=env.get("PDSERVE_GRPC_TOKEN", ""),
         )
         s.validate()
         return s
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KVStoreSettings:
-        """Settings from a namespace parsed with ``add_cli_arguments``."""
+        """Settings from a namespace parsed with ``add_cli_arguments``; the p2p token is
+        the service's ``--grpc-token`` when the namespace has one."""
         s = cls(
             args.connector,
             args.kv_path,
@@ -170,6 +181,8 @@ class KVStoreSettings:
             args.p2p_port,
             args.p2p_lease_seconds,
             args.p2p_timeout,
+            args.kv_secret,
+            getattr(args, "grpc_token", "") or "",
         )
         s.validate()
         return s
@@ -253,6 +266,13 @@ def add_cli_arguments(
         help="p2p: deadline of one pull (connect, rendezvous, data), seconds "
         "(env PDSERVE_P2P_TIMEOUT)",
     )
+    g.add_argument(
+        "--kv-secret",
+        default=env.get(KV_SECRET_ENV, ""),
+        help="fs/redis: seal every record with HMAC-SHA256 under this secret and refuse "
+        "records that do not verify; set it in production (prefer the environment twin: "
+        "a command line is visible to every user) (env PDSERVE_KV_SECRET)",
+    )
 
 
 def build_connector(settings: KVStoreSettings, host: str = "127.0.0.1") -> KVConnector | None:
@@ -291,7 +311,7 @@ def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:
         fs = FsBackend(
             settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix
         )
-        return BlockStoreConnector(fs, name="fs")
+        return BlockStoreConnector(fs, name="fs", mac=record_mac(settings.kv_secret))
     if kind == "redis":
         from kv_store.block_connector import BlockStoreConnector
         from kv_store.redis_backend import RedisBackend
@@ -299,7 +319,7 @@ def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:
         assert settings.redis_url is not None
         rb = RedisBackend(settings.redis_url, ttl_s=ttl, key_prefix=settings.key_prefix)
         rb.ping()  # fail loudly at start rather than on the first request
-        return BlockStoreConnector(rb, name="redis")
+        return BlockStoreConnector(rb, name="redis", mac=record_mac(settings.kv_secret))
     from kv_store.lmcache_connector import LMCacheConnector
 
     assert settings.lmcache_url is not None

@@ -1,17 +1,25 @@
 """The KV block record codec (docs/design.md §3).
 
-A record is a fixed 48-byte little-endian header followed by the raw tensor bytes of one
+A record is a fixed 64-byte little-endian header followed by the raw tensor bytes of one
 block, ``[layers, 2, block_tokens, kv_heads, head_dim]`` in C order::
 
     magic "PDKV" | record version u16 | layout version u16 | dtype code u8 | pad u8 x3 |
     layers u32 | block tokens u32 | kv heads u32 | head dim u32 | payload bytes u64 |
-    reserved u8 x4 | xxh3_64 u64   (over the 40 header bytes before it, then the payload)
+    reserved u8 x4 | xxh3_64 u64   (over the 40 header bytes before it, then the payload) |
+    mac u8 x16   (``record_mac.RecordMac`` over the record's key, the 48 bytes before it
+                  and the payload; all zero when written without a KV secret)
 
-Record version 2 (this one) checksums with XXH3-64 (~21 GB/s on cached data here) instead
-of zlib's CRC32 (~4.4 GB/s), which ran slower than the copy it protected and was paid on
-every save and every load. Version 1 records (40-byte header, CRC32) are refused as unsupported, which a
-reader treats like a corrupt block: recomputed, never loaded. The header stays a multiple
-of 16 bytes so the payload keeps the alignment of the buffer it sits in.
+Record version 3 (this one) added the MAC field: checksums catch corruption, only a keyed
+MAC catches a forged record (keys follow from the prompt). Versions 1 (40-byte header,
+CRC32) and 2 (48-byte header, no MAC field) are refused as unsupported, which a reader
+treats like a corrupt block: deleted, recomputed, never loaded. XXH3-64 (~21 GB/s on
+cached data here) replaced zlib's CRC32 (~4.4 GB/s) in version 2: CRC32 ran slower than the
+copy it protected. The header stays a multiple of 16 bytes so the payload keeps the
+alignment of the buffer it sits in.
+
+A reader given a ``RecordMac`` verifies the MAC after the checksum (``RecordMacError``
+when it fails, a record without a MAC included); a reader without one checks only the
+checksum, as before the MAC existed.
 
 ``block_tokens`` is the number of tokens actually stored, so a partial tail block is a
 shorter record. Encoding makes exactly one copy (cache view → record buffer); decoding is a
@@ -29,14 +37,17 @@ import torch
 import xxhash
 
 from kv_store.base import KvLayout, KVRecordError
+from kv_store.record_mac import MAC_SIZE, NO_MAC, RecordMac
 
 MAGIC = b"PDKV"
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 # The checksummed fields; the 4 reserved bytes pad them to 40 so that, with the u64
-# checksum, the header is 48 bytes: a multiple of 16, keeping payload views aligned.
+# checksum and the 16-byte MAC, the header is 64 bytes: a multiple of 16, keeping payload
+# views aligned.
 _HEADER = struct.Struct("<4sHHB3xIIIIQ4x")
 _CHECKSUM = struct.Struct("<Q")
-HEADER_SIZE = _HEADER.size + _CHECKSUM.size
+_MAC_AT = _HEADER.size + _CHECKSUM.size  # the MAC covers the bytes before it
+HEADER_SIZE = _MAC_AT + MAC_SIZE
 assert HEADER_SIZE % 16 == 0
 
 
@@ -101,11 +112,19 @@ def record_size(layout: KvLayout, num_tokens: int) -> int:
     return HEADER_SIZE + n * torch_dtype(layout.dtype).itemsize
 
 
-def encode_block(tensor: torch.Tensor, layout: KvLayout, out: bytearray | None = None) -> bytearray:
+def encode_block(
+    tensor: torch.Tensor,
+    layout: KvLayout,
+    out: bytearray | None = None,
+    *,
+    mac: RecordMac | None = None,
+    key: str = "",
+) -> bytearray:
     """Encode one block ``[layers, 2, n, kv_heads, head_dim]`` (any strides, e.g. the view
     ``kv_cache[:, :, block_id, :n]``) into a record. ``ValueError`` if it does not match
     ``layout``. Returns ``out`` when it has exactly the record's size (reusing a buffer
-    saves the page faults of a fresh one), else a fresh buffer the caller owns."""
+    saves the page faults of a fresh one), else a fresh buffer the caller owns. With
+    ``mac``, the record is sealed for the store key ``key``."""
     code, dtype, int_dtype = _DTYPES.get(layout.dtype, (0, None, None))
     if dtype is None or int_dtype is None:
         raise ValueError(f"unsupported KV dtype {layout.dtype!r}")
@@ -138,7 +157,10 @@ def encode_block(tensor: torch.Tensor, layout: KvLayout, out: bytearray | None =
         nbytes,
     )
     out[: _HEADER.size] = header
-    _CHECKSUM.pack_into(out, _HEADER.size, _checksum(header, (memoryview(out)[HEADER_SIZE:],)))
+    view = memoryview(out)
+    _CHECKSUM.pack_into(out, _HEADER.size, _checksum(header, (view[HEADER_SIZE:],)))
+    seal = NO_MAC if mac is None else mac.tag(key, view[:_MAC_AT], (view[HEADER_SIZE:],))
+    out[_MAC_AT:HEADER_SIZE] = seal
     return out
 
 
@@ -175,14 +197,20 @@ def _check_header(
 
 
 def decode_block(
-    data: bytes | bytearray | memoryview, layout: KvLayout, expected_tokens: int | None = None
+    data: bytes | bytearray | memoryview,
+    layout: KvLayout,
+    expected_tokens: int | None = None,
+    *,
+    mac: RecordMac | None = None,
+    key: str = "",
 ) -> torch.Tensor:
     """Decode a record into a tensor ``[layers, 2, n, kv_heads, head_dim]`` of the layout's
     dtype that views ``data`` (no copy; treat it as read-only). Raises ``KVRecordError`` on
-    bad magic, version, layout mismatch, wrong token count, truncation or checksum."""
+    bad magic, version, layout mismatch, wrong token count, truncation or checksum, and
+    (with ``mac``) ``RecordMacError`` unless the record was sealed for ``key``."""
     view = memoryview(data).cast("B")
     n = _check_header(view, layout, expected_tokens, len(view))
-    _verify(view, (view[HEADER_SIZE:],))
+    _verify(view, (view[HEADER_SIZE:],), mac, key)
     _, dtype, int_dtype = _DTYPES[layout.dtype]
     with warnings.catch_warnings():
         # ``bytes`` from a socket are read-only; the view is only ever read from.
@@ -221,8 +249,16 @@ def block_parts(cache_np: np.ndarray, block_id: int, num_tokens: int) -> list[me
     ]
 
 
-def record_header(layout: KvLayout, num_tokens: int, parts: list[memoryview]) -> bytes:
-    """The header (with checksum) of the record whose payload is ``parts`` in order."""
+def record_header(
+    layout: KvLayout,
+    num_tokens: int,
+    parts: list[memoryview],
+    *,
+    mac: RecordMac | None = None,
+    key: str = "",
+) -> bytes:
+    """The header (with checksum, and with ``mac`` the MAC for the store key ``key``) of
+    the record whose payload is ``parts`` in order."""
     code = _DTYPES[layout.dtype][0]
     nbytes = sum(p.nbytes for p in parts)
     header = _HEADER.pack(
@@ -236,25 +272,41 @@ def record_header(layout: KvLayout, num_tokens: int, parts: list[memoryview]) ->
         layout.head_dim,
         nbytes,
     )
-    return header + _CHECKSUM.pack(_checksum(header, parts))
+    head = header + _CHECKSUM.pack(_checksum(header, parts))
+    return head + (NO_MAC if mac is None else mac.tag(key, head, parts))
 
 
 def check_record_parts(
-    header: bytes | bytearray, parts: list[memoryview], layout: KvLayout, expected_tokens: int
+    header: bytes | bytearray,
+    parts: list[memoryview],
+    layout: KvLayout,
+    expected_tokens: int,
+    *,
+    mac: RecordMac | None = None,
+    key: str = "",
 ) -> None:
     """Verify a record read as ``header`` + ``parts`` (``KVRecordError`` subclasses as in
     ``decode_block``)."""
     view = memoryview(header)
     total = HEADER_SIZE + sum(p.nbytes for p in parts)
     _check_header(view, layout, expected_tokens, total)
-    _verify(view, parts)
+    _verify(view, parts, mac, key)
 
 
-def _verify(header: memoryview, payload: Iterable[bytes | memoryview]) -> None:
-    """``RecordChecksumError`` unless the header's stored checksum matches the record."""
+def _verify(
+    header: memoryview,
+    payload: list[memoryview] | tuple[memoryview, ...],
+    mac: RecordMac | None,
+    key: str,
+) -> None:
+    """``RecordChecksumError`` unless the header's stored checksum matches the record;
+    then, with ``mac``, ``RecordMacError`` unless its MAC does. The checksum goes first so
+    that corruption is reported as such, and a forgery (valid checksum) as ``mac``."""
     (stored,) = _CHECKSUM.unpack_from(header, _HEADER.size)
     computed = _checksum(header[: _HEADER.size], payload)
     if computed != stored:
         raise RecordChecksumError(
             f"record checksum mismatch (stored {stored:#018x}, computed {computed:#018x})"
         )
+    if mac is not None:
+        mac.verify(key, header[:_MAC_AT], payload, bytes(header[_MAC_AT:HEADER_SIZE]))

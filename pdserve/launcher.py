@@ -35,6 +35,7 @@ from engine_service.settings import (
     add_forwarded_engine_arguments,
     forward_engine_flags,
 )
+from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve.gpus import assign_gpus, gpu_ids, gpu_share_flags
 from pdserve.procs import (
     Child,
@@ -170,6 +171,11 @@ def build_plan(
     token = new_token()  # per run: only this run's router may call its services
     for child in (*services, router):
         child.env_extra[GRPC_TOKEN_ENV] = token
+    # Per run unless the caller sets one (a store shared beyond this run needs the same
+    # secret everywhere): only this run's services can write records its decodes load.
+    kv_secret = os.environ.get(KV_SECRET_ENV) or new_token()
+    for child in services:
+        child.env_extra[KV_SECRET_ENV] = kv_secret  # by environment, never argv (ps)
     logger.info("%d engine process(es), %d torch thread(s) each", num_engines, threads)
     return ([store] if store else []), [*services, router], launcher.child_env(threads)
 

@@ -373,3 +373,16 @@ def test_control_plane_token_reaches_engines_and_router_from_a_secret() -> None:
     for role in ("prefill", "decode", "router"):  # off by default
         c = container(find(render(ci("default")), "Deployment", f"{RELEASE}-pdserve-{role}"), role)
         assert "PDSERVE_GRPC_TOKEN" not in env_of(c), role
+
+
+def test_kv_secret_reaches_the_engines_only_from_a_secret() -> None:
+    objs = render(ci("default"), sets=("kvSecret.existingSecret=kvs",))
+    ref = {"secretKeyRef": {"name": "kvs", "key": "kv-secret"}}
+    for role in ("prefill", "decode"):
+        c = container(find(objs, "Deployment", f"{RELEASE}-pdserve-{role}"), role)
+        assert env_of(c)["PDSERVE_KV_SECRET"] == ref, role
+    router = container(find(objs, "Deployment", f"{RELEASE}-pdserve-router"), "router")
+    assert "PDSERVE_KV_SECRET" not in env_of(router)  # the router never touches records
+    for role in ("prefill", "decode"):  # off by default
+        c = container(find(render(ci("default")), "Deployment", f"{RELEASE}-pdserve-{role}"), role)
+        assert "PDSERVE_KV_SECRET" not in env_of(c), role

@@ -64,16 +64,18 @@ def test_partial_block_stores_only_its_tokens() -> None:
         decode_block(rec, LAYOUT, expected_tokens=16)
 
 
-def test_header_is_48_bytes_so_the_payload_stays_16_byte_aligned() -> None:
-    assert HEADER_SIZE == 48 and RECORD_VERSION == 2
+def test_header_is_64_bytes_so_the_payload_stays_16_byte_aligned() -> None:
+    assert HEADER_SIZE == 64 and RECORD_VERSION == 3
     rec = encode_block(cache()[:, :, 0], LAYOUT)
-    assert rec[:4] == b"PDKV" and struct.unpack_from("<H", rec, 4) == (2,)
+    assert rec[:4] == b"PDKV" and struct.unpack_from("<H", rec, 4) == (3,)
     assert rec[36:40] == b"\0\0\0\0"  # reserved
+    assert rec[48:64] == bytes(16)  # no KV secret: the MAC field is zero
 
 
 # A payload byte (start, end), the checksum itself, and header bytes that no field check
-# looks at (dtype padding at 9, reserved at 37): only the checksum can catch those.
-@pytest.mark.parametrize("where", [HEADER_SIZE + 7, -1, HEADER_SIZE - 1, 40, 9, 37])
+# looks at (dtype padding at 9, reserved at 37): only the checksum can catch those. (The
+# MAC field, 48..63, is checked only by a reader with the KV secret: test_kv_record_mac.)
+@pytest.mark.parametrize("where", [HEADER_SIZE + 7, -1, 47, 40, 9, 37])
 def test_any_flipped_byte_is_detected(where: int) -> None:
     rec = encode_block(cache()[:, :, 0], LAYOUT)
     rec[where] ^= 0x01
@@ -109,8 +111,18 @@ def _v1_record(kv: torch.Tensor, lay: KvLayout) -> bytes:
 
 def test_version_1_record_is_refused_not_misread() -> None:
     rec = _v1_record(cache()[:, :, 0], LAYOUT)
-    with pytest.raises(KVRecordError, match="record version 1 is not supported .expected 2"):
+    with pytest.raises(KVRecordError, match="record version 1 is not supported .expected 3"):
         decode_block(rec, LAYOUT, expected_tokens=16)
+
+
+def test_version_2_record_is_refused_not_misread() -> None:
+    """Version 2: the 48-byte header without the MAC field (checksum still valid)."""
+    kv = cache()[:, :, 0]
+    rec = encode_block(kv, LAYOUT)
+    v2 = bytearray(rec[:48] + rec[HEADER_SIZE:])
+    struct.pack_into("<H", v2, 4, 2)
+    with pytest.raises(KVRecordError, match="record version 2 is not supported .expected 3"):
+        decode_block(v2, LAYOUT, expected_tokens=16)
 
 
 @pytest.mark.parametrize(

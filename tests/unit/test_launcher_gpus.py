@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
+from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve import launcher
 from pdserve.launcher import assign_gpus, build_plan, gpu_ids
 from pdserve.procs import Child, Launcher, LaunchError
@@ -42,8 +43,8 @@ def flag(child: Child, name: str) -> str | None:
 
 
 def gpu_env(child: Child) -> dict[str, str]:
-    """The child's own environment without the run's control-plane token."""
-    return {k: v for k, v in child.env_extra.items() if k != GRPC_TOKEN_ENV}
+    """The child's own environment without the run's control-plane token and KV secret."""
+    return {k: v for k, v in child.env_extra.items() if k not in (GRPC_TOKEN_ENV, KV_SECRET_ENV)}
 
 
 def test_services_and_router_share_one_token_by_environment_only(
@@ -54,9 +55,28 @@ def test_services_and_router_share_one_token_by_environment_only(
     assert tokens.pop("redis") is None, "the store gets no token"
     assert len(set(tokens.values())) == 1 and all(tokens.values()), tokens
     token = next(iter(tokens.values()))
-    assert all(token not in " ".join(c.argv) for c in children.values())
+    assert token is not None and all(token not in " ".join(c.argv) for c in children.values())
     again = plan(tmp_path, ["--connector", "redis"], monkeypatch)
     assert again["router"].env_extra[GRPC_TOKEN_ENV] != token, "a new token per run"
+
+
+def test_services_share_one_kv_secret_per_run_by_environment_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KV_SECRET_ENV, raising=False)
+    children = plan(tmp_path, ["--connector", "redis", "--decode", "2"], monkeypatch)
+    secrets = {n: c.env_extra.get(KV_SECRET_ENV) for n, c in children.items()}
+    assert secrets.pop("redis") is None and secrets.pop("router") is None
+    assert len(set(secrets.values())) == 1 and all(secrets.values()), secrets
+    secret = next(iter(secrets.values()))
+    assert secret is not None and secret != children["router"].env_extra[GRPC_TOKEN_ENV]
+    assert all(secret not in " ".join(c.argv) for c in children.values())
+    again = plan(tmp_path, ["--connector", "redis"], monkeypatch)
+    assert again["decode-0"].env_extra[KV_SECRET_ENV] != secret, "a new secret per run"
+    # A store shared beyond one run: the caller's secret is passed on instead.
+    monkeypatch.setenv(KV_SECRET_ENV, "shared-secret")
+    given = plan(tmp_path, ["--connector", "redis"], monkeypatch)
+    assert given["prefill-0"].env_extra[KV_SECRET_ENV] == "shared-secret"
 
 
 def test_one_prefill_and_one_decode_get_a_gpu_each_and_the_whole_of_it(

@@ -96,6 +96,7 @@ spec:
                   fieldPath: status.podIP
             {{- end }}
             {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "pdserve.kvSecretEnv" $root }}{{ . | nindent 12 }}{{ end }}
             - name: HOME
               value: /tmp
             {{- with $pool.extraEnv }}

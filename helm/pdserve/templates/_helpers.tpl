@@ -169,3 +169,14 @@ app.kubernetes.io/part-of: pdserve
       key: {{ $.Values.grpcToken.key }}
 {{- end }}
 {{- end }}
+
+{{/* PDSERVE_KV_SECRET from kvSecret.existingSecret (prefill and decode only), if set. */}}
+{{- define "pdserve.kvSecretEnv" -}}
+{{- with .Values.kvSecret.existingSecret -}}
+- name: PDSERVE_KV_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.kvSecret.key }}
+{{- end }}
+{{- end }}
