@@ -1,5 +1,6 @@
 """Engine side of KV transfer: starts loads and saves through the connector and turns the
-connector's completions into scheduler actions. Owns the in-flight transfer tables."""
+connector's completions into outcomes (``TransferOutcomes``) that the engine acts on; it
+finishes and frees nothing itself. Owns the in-flight transfer tables."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from common.block_hash import ROOT_PARENT, hash_block_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import KvSaveResult
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
 from kv_store.base import KVConnector, KVTransfer, TransferResult
 
 logger = logging.getLogger(__name__)
@@ -30,12 +30,25 @@ class TransferStats:
 
 @dataclass(slots=True)
 class LoadOutcome:
+    """A finished load. ``aborted``: the request was aborted while its blocks were being
+    written; the engine finishes it now (its blocks may be freed)."""
+
     request: Request
     ok: bool
     seconds: float
     blocks_loaded: int
     blocks_recomputed: int
     error: str | None = None
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class TransferOutcomes:
+    """What one ``poll`` found; the engine acts on it (the coordinator finishes nothing)."""
+
+    loads: list[LoadOutcome] = field(default_factory=list)
+    saves: list[tuple[Request, KvSaveResult]] = field(default_factory=list)
+    released: list[Request] = field(default_factory=list)  # held blocks the peer let go
 
 
 def prompt_block_hashes(request: Request, block_size: int) -> list[bytes]:
@@ -52,12 +65,9 @@ def prompt_block_hashes(request: Request, block_size: int) -> list[bytes]:
 
 
 class KVTransferCoordinator:
-    def __init__(
-        self, connector: KVConnector, kv: KVCacheManager, scheduler: Scheduler, failure_policy: str
-    ) -> None:
+    def __init__(self, connector: KVConnector, kv: KVCacheManager, failure_policy: str) -> None:
         self.connector = connector
         self.kv = kv
-        self.scheduler = scheduler
         self.failure_policy = failure_policy
         self.block_size = kv.block_size
         self.stats = TransferStats()
@@ -121,12 +131,11 @@ class KVTransferCoordinator:
         self._awaiting_blocks = still
         return ready
 
-    def _finish_load(self, result: TransferResult) -> LoadOutcome | None:
+    def _finish_load(self, result: TransferResult) -> LoadOutcome:
         request, t0, start = self._loading.pop(result.request_id)
         if result.request_id in self._aborted:
             self._aborted.discard(result.request_id)
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            return None
+            return LoadOutcome(request, False, time.monotonic() - t0, 0, 0, aborted=True)
         n_remote = -(
             -min(
                 request.num_prompt_tokens, request.remote_kv.num_tokens if request.remote_kv else 0
@@ -196,19 +205,17 @@ class KVTransferCoordinator:
         return False
 
     # -- both -----------------------------------------------------------------------------
-    def poll(self) -> tuple[list[LoadOutcome], list[tuple[Request, KvSaveResult]]]:
-        loads: list[LoadOutcome] = []
-        saves: list[tuple[Request, KvSaveResult]] = []
+    def poll(self) -> TransferOutcomes:
+        """The connector's finished transfers, as outcomes for the engine to act on."""
+        found = TransferOutcomes()
         for result in self.connector.poll():
             if result.kind == "load" and result.request_id in self._loading:
-                outcome = self._finish_load(result)
-                if outcome is not None:
-                    loads.append(outcome)
+                found.loads.append(self._finish_load(result))
             elif result.kind == "save" and result.request_id in self._saving:
-                saves.append(self._finish_save(result))
+                found.saves.append(self._finish_save(result))
             elif result.kind == "release" and result.request_id in self._held:
-                self.kv.free(self._held.pop(result.request_id))
-        return loads, saves
+                found.released.append(self._held.pop(result.request_id))
+        return found
 
     def abort(self, request: Request) -> bool:
         """Returns True if the request's blocks may be freed now (no transfer reads or

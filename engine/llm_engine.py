@@ -79,9 +79,7 @@ class LLMEngine:
         self.transfers: KVTransferCoordinator | None = None
         if connector is not None:
             connector.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
-            self.transfers = KVTransferCoordinator(
-                connector, self.kv, self.scheduler, config.kv_load_failure
-            )
+            self.transfers = KVTransferCoordinator(connector, self.kv, config.kv_load_failure)
         self.limits = RequestLimits(
             self.max_model_len,
             self.args.vocab_size,
@@ -148,7 +146,7 @@ class LLMEngine:
             self.guided.submit(request)  # ValueError for a bad guide; compiles in the background
         self.outputs.start(request)
         if params.guided is not None:
-            self.scheduler.requests[request_id] = request  # routed once its grammar is ready
+            self.scheduler.register(request)  # routed once its grammar is ready
         else:
             self._route(request)
 
@@ -157,7 +155,7 @@ class LLMEngine:
             self.scheduler.add_request(request)
         else:
             assert self.transfers is not None
-            self.scheduler.requests[request.request_id] = request
+            self.scheduler.register(request)
             self.transfers.add_remote(request)
 
     def abort_request(self, request_id: str) -> bool:
@@ -243,17 +241,22 @@ class LLMEngine:
     def _handle_transfers(self) -> list[RequestOutput]:
         assert self.transfers is not None
         outputs: list[RequestOutput] = []
-        loads, saves = self.transfers.poll()
-        for outcome in loads:
+        found = self.transfers.poll()
+        for outcome in found.loads:
             outputs += self._on_loaded(outcome)
-        for request, saved in saves:
+        for request, saved in found.saves:
             outputs.append(self._on_saved(request, saved))
+        for request in found.released:
+            self.scheduler.release(request)
         for request in self.transfers.start_pending_loads():
             self.scheduler.make_ready(request)
         return outputs
 
     def _on_loaded(self, outcome: LoadOutcome) -> list[RequestOutput]:
         request = outcome.request
+        if outcome.aborted:  # its abort output went out already; the blocks may go now
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            return []
         request.kv_load_seconds = outcome.seconds
         request.kv_blocks_loaded = outcome.blocks_loaded
         request.kv_blocks_recomputed = outcome.blocks_recomputed
@@ -268,9 +271,10 @@ class LLMEngine:
         return []
 
     def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
-        if not saved.held:  # held (p2p): freed when the connector releases them
-            self.kv.free(request)
-        self.scheduler.requests.pop(request.request_id, None)
+        if saved.held:  # held (p2p): the blocks go when the connector releases them
+            self.scheduler.requests.pop(request.request_id, None)
+        else:
+            self.scheduler.release(request)
         out = self.outputs.output(request, [], "", finished=True)
         out.kv_saved = saved
         return out

@@ -84,9 +84,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        self.register(request)
         if request.status is RequestStatus.WAITING:
             self.waiting.push(request)
+
+    def register(self, request: Request) -> None:
+        """Know a request that is not queued yet (its grammar compiles, its KV is remote)."""
+        self.requests[request.request_id] = request
 
     def make_ready(self, request: Request) -> None:
         """A request whose remote KV has arrived joins the waiting queue's front."""
@@ -206,5 +210,10 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
         if not keep_blocks:
-            self.kv.free(request)
-            self.requests.pop(request.request_id, None)
+            self.release(request)
+
+    def release(self, request: Request) -> None:
+        """The one place a finished request's blocks are freed: at ``finish``, or once the
+        KV transfer that still read them (``keep_blocks``) is done."""
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
