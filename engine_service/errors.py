@@ -9,7 +9,8 @@ RPC answers the same way:
   request that cannot even be parsed (e.g. a string field that is not UTF-8), which gRPC
   would otherwise answer UNKNOWN
 - ``EngineFull`` → RESOURCE_EXHAUSTED
-- ``ServiceUnavailable`` (draining, KV save/load failed), ``KVStoreError``, ``KVRecordError``,
+- ``ServiceUnavailable`` (draining, KV save/load failed; ``KVSaveFailed`` adds the trailer
+  ``pdserve-error: kv-save-failed``), ``KVStoreError``, ``KVRecordError``,
   ``ConnectionError``, and the types passed as ``unavailable`` (the engine's
   ``EngineDeadError``) → UNAVAILABLE
 - ``TimeoutError`` → DEADLINE_EXCEEDED
@@ -38,6 +39,15 @@ _HEALTH_PREFIX = "/grpc.health.v1."
 
 class ServiceUnavailable(RuntimeError):
     """The service cannot take this request now (draining, store down); try another instance."""
+
+
+class KVSaveFailed(ServiceUnavailable):
+    """Prefill's KV save failed after its first token was sent: the instance is fine, the
+    store is not. Answered UNAVAILABLE with trailing metadata ``pdserve-error:
+    kv-save-failed`` so the router lets decode compute the prompt instead of taking the
+    prefill instance out."""
+
+    trailing_metadata = (("pdserve-error", "kv-save-failed"),)
 
 
 class IncompatibleKvHandle(ValueError):
@@ -188,4 +198,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         else:
             logger.info("%s refused (%s): %s", rpc, code.name, exc)
             message = str(exc)
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata=_trailers(exc))
+
+
+def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata a domain error carries (``KVSaveFailed``), else none."""
+    return tuple(getattr(exc, "trailing_metadata", ()))

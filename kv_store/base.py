@@ -33,6 +33,14 @@ Blob = bytes | bytearray | memoryview
 class KVStoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
 
+    reason = "unreachable"  # the transfer's failure reason (pdserve_kv_failures_total)
+
+
+class KVStoreCircuitOpen(KVStoreError):
+    """Refused without trying: the store failed repeatedly just now (``kv_store.breaker``)."""
+
+    reason = "circuit_open"
+
 
 class KVRecordError(ValueError):
     """A stored record is corrupt (bad magic, version, layout or checksum)."""

@@ -6,8 +6,12 @@ still using its connection pool (connect, auth, retries, timeouts): ``put_parts`
 record's pieces straight from the paged cache (``sendmsg``) and reads the replies with
 redis-py; ``get_into`` receives values straight into the cache (``recvmsg_into``) instead
 of through redis-py's reply parser, which copies every value twice before we can.
-Every socket operation has a timeout and connection errors are retried a bounded number of
-times with backoff, so a dead or hung server turns into ``KVStoreError`` within seconds.
+Every socket operation has a timeout (``socket_timeout_s``, never retried: a hung server
+would make each retry wait again) and refused/reset connections are retried a bounded
+number of times with backoff, so a dead or hung server turns into ``KVStoreError`` within
+one timeout. After ``breaker_threshold`` consecutive failures a circuit breaker
+(``kv_store.breaker``) fails operations at once for ``breaker_open_s`` seconds, so
+transfers never queue behind each other's timeouts.
 Redis ``SET`` is atomic: a reader never sees a torn value. Values expire after ``ttl_s``
 (server-side ``EX``); for a hard memory bound also run the server with ``maxmemory`` and an
 eviction policy such as ``allkeys-lru``.
@@ -19,7 +23,7 @@ import contextlib
 import logging
 import math
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -29,6 +33,7 @@ from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kv_store.base import Blob, KVStoreError, VectoredBackend
+from kv_store.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +62,8 @@ class RedisBackend(VectoredBackend):
         retries: int = 2,
         max_connections: int = 16,
         batch_keys: int = 32,
+        breaker_threshold: int = 3,
+        breaker_open_s: float = 5.0,
     ) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
@@ -71,6 +78,9 @@ class RedisBackend(VectoredBackend):
         self.ttl_s = None if ttl_s is None else max(1, math.ceil(ttl_s))
         self.key_prefix = key_prefix
         self.batch_keys = batch_keys
+        self.breaker = CircuitBreaker(
+            f"redis {url}", threshold=breaker_threshold, open_s=breaker_open_s
+        )
         retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries)
         try:
             self._client: Any = redis.Redis.from_url(
@@ -78,7 +88,9 @@ class RedisBackend(VectoredBackend):
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=connect_timeout_s,
                 retry=retry,
-                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+                # Retry refused/reset connections (cheap), never a timeout: a hung server
+                # would make each retry wait socket_timeout again.
+                retry_on_error=[redis.ConnectionError],
                 max_connections=max_connections,
                 health_check_interval=30,
                 # With hiredis installed redis-py would pack each command into one joined
@@ -99,27 +111,40 @@ class RedisBackend(VectoredBackend):
         except redis.RedisError as e:
             raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
 
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        """``fn()`` through the circuit breaker, redis-py errors as ``KVStoreError``."""
+
+        def once() -> T:
+            try:
+                return fn()
+            except redis.RedisError as e:
+                raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+        return self.breaker.call(once)
+
     def exists(self, keys: list[str]) -> list[bool]:
         if not keys:
             return []
-        try:
+
+        def run() -> list[bool]:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(self._k(key))
             return [bool(n) for n in pipe.execute()]
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+        return self._guarded(run)
 
     def get(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
-        try:
+
+        def run() -> list[bytes | None]:
             pipe = self._client.pipeline(transaction=False)
             for batch in _chunks(keys, self.batch_keys):
                 pipe.mget([self._k(k) for k in batch])
             return [v for part in pipe.execute() for v in part]
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+        return self._guarded(run)
 
     @property
     def vectored_io(self) -> bool:
@@ -146,12 +171,11 @@ class RedisBackend(VectoredBackend):
         # Checked before anything is sent: a bad buffer found mid-reply would leave earlier
         # keys' buffers written and raise a TypeError from inside the socket loop.
         views = [_byte_views(bufs, f"parts[{i}]", writable=True) for i, bufs in enumerate(parts)]
-        try:
-            return self._client.get_retry().call_with_retry(  # type: ignore[no-any-return]
+        return self._guarded(
+            lambda: self._client.get_retry().call_with_retry(
                 lambda: self._get_into_once(keys, views), lambda _err: None
             )
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+        )
 
     @contextlib.contextmanager
     def _raw_connection(self, doing: str) -> Iterator[Any]:
@@ -194,12 +218,11 @@ class RedisBackend(VectoredBackend):
         if not self.vectored_io:
             self.put([(key, b"".join(parts)) for key, parts in views])
             return
-        try:
-            self._client.get_retry().call_with_retry(
+        self._guarded(
+            lambda: self._client.get_retry().call_with_retry(
                 lambda: self._put_parts_once(views), lambda _err: None
             )
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+        )
 
     def _put_parts_once(self, items: Sequence[tuple[str, list[memoryview]]]) -> None:
         ex = (
@@ -229,21 +252,19 @@ class RedisBackend(VectoredBackend):
     def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         if not items:
             return
-        try:
+
+        def run() -> None:
             pipe = self._client.pipeline(transaction=False)
             for key, value in items:
                 pipe.set(self._k(key), value, ex=self.ttl_s)
             pipe.execute()
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+
+        self._guarded(run)
 
     def delete(self, keys: list[str]) -> None:
         if not keys:
             return
-        try:
-            self._client.delete(*[self._k(k) for k in keys])
-        except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+        self._guarded(lambda: self._client.delete(*[self._k(k) for k in keys]))
 
     def close(self) -> None:
         self._client.close()

@@ -3,8 +3,9 @@
 ``Prefill`` runs the prompt with ``max_tokens=1`` and ``save_kv=True``. Its stream carries
 two events: ``first_token`` the moment the token is sampled (TTFT never waits for the KV
 save), then ``kv_committed`` with the ``KvHandle`` once every prompt block the store lacked
-is written. A store failure after the first token ends the stream with UNAVAILABLE, so
-the router knows the handle never came and can fall back to local prefill.
+is written. A store failure after the first token ends the stream with UNAVAILABLE and the
+trailer ``pdserve-error: kv-save-failed``, so the router knows the handle never came and
+that the instance is fine: decode computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine_service.convert import (
     token_ids,
 )
 from engine_service.core import EngineServiceCore
-from engine_service.errors import ServiceUnavailable
+from engine_service.errors import KVSaveFailed
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -60,11 +61,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if out.kv_saved is not None:
                 saved = out.kv_saved
                 if saved.error:
-                    # The router gets UNAVAILABLE after the first token: no handle will come,
-                    # so it prefills elsewhere or locally instead of letting decode wait.
-                    raise ServiceUnavailable(
-                        f"KV save of request {request_id} failed: {saved.error}"
-                    )
+                    # The router gets UNAVAILABLE (trailer kv-save-failed) after the first
+                    # token: no handle will come, and the store, not this instance, is at
+                    # fault, so decode computes the prompt itself.
+                    raise KVSaveFailed(f"KV save of request {request_id} failed: {saved.error}")
                 timings = phase_timings(
                     out,
                     compute_s=(first_at or time.monotonic()) - start - out.queue_seconds,

@@ -3,7 +3,10 @@ deadline; a failed or timed-out call is retried on another instance (bounded).
 
 :func:`prefill_events` yields the first token once, then the committed ``KvHandle`` — or
 None when no instance could commit it after the first token was already sent (decode then
-computes the prompt itself, counted in ``pdserve_kv_load_fallbacks_total``). When the
+computes the prompt itself, counted in ``pdserve_kv_load_fallbacks_total``). A failed KV
+save (the store is down; the trailer ``pdserve-error: kv-save-failed``) is not the
+instance's fault: it is neither taken out nor retried elsewhere, and decode computes the
+prompt (``reason="save_failed"``). When the
 consumer leaves early (client gone, or the first token ended the request) the call is
 cancelled and ``Abort`` sent.
 """
@@ -90,6 +93,13 @@ async def prefill_events(
             )
             if fatal is not None:
                 raise fatal from exc
+            if first_sent and _save_failed(exc):
+                # The store is down, not this instance: keep it in, retrying the prompt
+                # elsewhere would fail the same save. Decode computes the prompt itself.
+                logger.warning("prefill %s: KV save failed (%s)", job.request_id, describe(exc))
+                leg.metrics.kv_load_fallbacks.labels("save_failed").inc()
+                yield None
+                return
             last_error = describe(exc)
             logger.warning(
                 "prefill %s on %s failed (%s); attempt %d",
@@ -108,6 +118,15 @@ async def prefill_events(
         raise _exhausted(len(tried), last_error)
     leg.metrics.kv_load_fallbacks.labels("prefill_lost").inc()
     yield None
+
+
+def _save_failed(exc: BaseException) -> bool:
+    """The prefill stream ended because its KV save failed (the prefill service's
+    ``KVSaveFailed``: UNAVAILABLE with the trailer ``pdserve-error: kv-save-failed``)."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailers = exc.trailing_metadata() or ()
+    return any(k == "pdserve-error" and v == "kv-save-failed" for k, v in trailers)
 
 
 def _exhausted(attempts: int, last_error: str) -> APIError:

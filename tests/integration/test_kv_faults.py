@@ -138,9 +138,11 @@ def test_redis_stopped_mid_run_fails_fast_then_recovers(
         assert all(not r.ok and r.failure_reason == "unreachable" for r in results), results
         assert a.lookup(tokens, tr.block_hashes) == 0
         assert a.stats().failures["unreachable"] >= 3
+        # Three failures in a row opened the circuit breaker: operations fail at once.
+        assert a.lookup(tokens, tr.block_hashes) == 0
+        assert a.stats().failures["circuit_open"] >= 1
         redis_proc.start()  # same port, empty store
-        a.start_save(tr)
-        assert one(a).ok
+        _save_until_ok(a, tr)  # the breaker's next probe closes it
         dst = torch.zeros_like(src)
         a2 = t.connector(dst, layout())
         a2.start_load(tr)
@@ -148,6 +150,19 @@ def test_redis_stopped_mid_run_fails_fast_then_recovers(
         assert r.ok and r.num_loaded_blocks == 2 and torch.equal(dst[:, :, :2], src[:, :, :2])
     finally:
         t.close()
+
+
+def _save_until_ok(conn: Any, tr: Any, deadline_s: float = 60.0) -> None:
+    """Save ``tr`` until it succeeds; only the open breaker may refuse it meanwhile."""
+    end = time.monotonic() + deadline_s
+    while True:
+        conn.start_save(tr)
+        r = one(conn)
+        if r.ok:
+            return
+        assert r.failure_reason == "circuit_open", r
+        assert time.monotonic() < end, "the breaker never let a save through"
+        time.sleep(0.2)
 
 
 def _writer(root: str, seed: int, rounds: int) -> None:
