@@ -288,6 +288,7 @@ def build_connector(settings: KVStoreSettings, host: str = "127.0.0.1") -> KVCon
             port=settings.p2p_port,
             lease_s=settings.p2p_lease_s,
             timeout_s=settings.p2p_timeout_s,
+            token=settings.p2p_token,
         )
         store = _build_store(settings, settings.kv_store)
         if store is None:

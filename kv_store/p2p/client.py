@@ -16,13 +16,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kv_store.base import KVTransfer, TransferResult
+from kv_store.p2p.auth import new_nonce, proof, proves
 from kv_store.p2p.group import PairGroup, _timedelta
 from kv_store.p2p.ipc import copy_blocks, open_cache
 from kv_store.p2p.mover import BlockMover
@@ -50,6 +51,7 @@ class LinkConfig:
     hello: dict[str, Any]  # layout, fingerprint, device identity, wanted backend
     batch_bytes: int
     timeout_s: float = 10.0  # one pull's deadline; also bounds each NCCL operation
+    token: str = field(default="", repr=False)  # control-plane token to prove (auth.py)
 
 
 class PeerLink:
@@ -210,11 +212,17 @@ class PeerLink:
             return
         sock = connect(self.address, deadline)
         self._sock = sock
+        server_nonce = str(expect(recv_msg(sock, deadline), "challenge").get("nonce", ""))
         hello = dict(self._config.hello)
         if self._avoid_ipc and hello.get("backend", "auto") == "auto":
             hello["backend"] = "gloo"
+        token, hello["nonce"] = self._config.token, new_nonce()
+        if token:
+            hello["auth"] = proof(token, "client", server_nonce, hello["nonce"])
         send_msg(sock, {"op": "hello", "ok": True, **hello}, deadline)
         reply = expect(recv_msg(sock, deadline), "hello")
+        if token and not proves(token, "server", server_nonce, hello["nonce"], reply.get("auth")):
+            raise PeerError(f"p2p source {self.address} did not prove the token", "auth")
         if reply.get("backend") == "cuda_ipc":
             self._connect_ipc(reply)
             return

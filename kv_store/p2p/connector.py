@@ -69,7 +69,11 @@ class P2PConnector(KVConnector):
         backend: str = "auto",
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         idle_s: float = 60.0,
+        token: str = "",
     ) -> None:
+        """``token``: the control-plane token (the services' ``--grpc-token``); with one,
+        the control server refuses peers that do not prove it (reason ``auth``), and pulls
+        refuse a source that does not."""
         if backend not in BACKENDS:
             raise ValueError(f"p2p backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if timeout_s <= 0:
@@ -84,6 +88,7 @@ class P2PConnector(KVConnector):
             batch_bytes,
             idle_s,
         )
+        self._token = token
         self.counters = ConnectorStats()
         self.p2p = P2PCounters(self.counters)
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
@@ -138,6 +143,7 @@ class P2PConnector(KVConnector):
             self.backend,
             self.timeout_s,
             self.batch_bytes,
+            self._token,
         )
         self._server = PullServer(
             self.host, self.port, serve, self.leases, self.p2p, self.advertise_host
@@ -148,7 +154,9 @@ class P2PConnector(KVConnector):
             "device": identity,
             "backend": self.backend,
         }
-        self._link_config = LinkConfig(kv_cache, hello, self.batch_bytes, self.timeout_s)
+        self._link_config = LinkConfig(
+            kv_cache, hello, self.batch_bytes, self.timeout_s, self._token
+        )
 
     # -- scheduler side ---------------------------------------------------------------------
     def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:

@@ -2,9 +2,12 @@
 
 Per connection (docs/design.md §3, "p2p"):
 
-1. ``hello`` from the peer (its layout, model fingerprint, device) → ``hello`` back with a
-   fresh pair id, this side's rendezvous store and the backend; both sides then form the
-   pair's process group (this side rank 0).
+0. ``challenge`` to the peer at once: a fresh nonce (``auth.py``).
+1. ``hello`` from the peer (its layout, model fingerprint, device, nonce and, with a token,
+   its proof of it) → ``hello`` back with a fresh pair id, this side's rendezvous store,
+   the backend and this side's proof; both sides then form the pair's process group (this
+   side rank 0). With a token, a peer without the proof is refused (reason ``auth``) here,
+   before anything is made for it.
 2. Any number of ``pull`` {transfer_id, start_block, hashes}: the lease is pinned, ``meta``
    says how many leading blocks match the peer's block hashes (a different prompt gets 0),
    the blocks go over the group in batches, ``end`` says whether they are valid (an abort
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kv_store.p2p.auth import new_nonce, proof, proves
 from kv_store.p2p.group import PairGroup, choose_backend, host_store
 from kv_store.p2p.ipc import describe_cache
 from kv_store.p2p.leases import LeaseTable
@@ -36,6 +40,10 @@ from kv_store.p2p.stats import P2PCounters
 from kv_store.p2p.wire import PeerError, expect, join_address, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
+
+# A hello (layout, fingerprint, device identity, nonce, proof) is a few hundred bytes; an
+# unauthenticated peer gets no more than this allocated for it.
+HELLO_MAX_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -49,6 +57,7 @@ class ServeConfig:
     backend: str  # "auto" | "gloo" | "nccl"
     timeout_s: float
     batch_bytes: int
+    token: str = ""  # the control-plane token peers must prove; empty: no check
 
 
 class PullServer:
@@ -128,9 +137,16 @@ class PullServer:
         """The pair's group and mover (no group for ``cuda_ipc``)."""
         cfg = self.config
         deadline = time.monotonic() + cfg.timeout_s
-        hello = expect(recv_msg(sock, deadline), "hello")
+        nonce = new_nonce()
+        send_msg(sock, {"op": "challenge", "ok": True, "nonce": nonce}, deadline)
+        hello = expect(recv_msg(sock, deadline, HELLO_MAX_BYTES), "hello")
         refusal = None
-        if hello.get("fingerprint") != cfg.fingerprint or hello.get("layout") != cfg.layout:
+        peer_nonce = hello.get("nonce")
+        if cfg.token and not proves(cfg.token, "client", nonce, peer_nonce, hello.get("auth")):
+            refusal = ("the peer did not prove the control-plane token", "auth")
+            logger.warning("p2p: refused a peer without the control-plane token")
+            self._counters.failed("auth")
+        elif hello.get("fingerprint") != cfg.fingerprint or hello.get("layout") != cfg.layout:
             refusal = ("the peer runs a different model or KV layout", "layout")
         backend = ""
         if refusal is None:
@@ -154,6 +170,8 @@ class PullServer:
             "backend": backend,
             "batch_blocks": mover.batch_blocks,
         }
+        if cfg.token:  # the peer checks that it reached a holder of the token too
+            reply["auth"] = proof(cfg.token, "server", nonce, str(peer_nonce))
         if backend == "cuda_ipc":  # the peer maps our cache and copies: no group to form
             reply["ipc"] = describe_cache(cfg.kv)
             send_msg(sock, reply, deadline)

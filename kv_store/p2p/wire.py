@@ -70,11 +70,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket, deadline: float | None) -> dict[str, Any]:
-    """Read one message. ``deadline=None`` waits indefinitely: only for an idle server
-    connection waiting for the next request, which closing the socket interrupts."""
+def recv_msg(
+    sock: socket.socket, deadline: float | None, limit: int = MAX_MESSAGE_BYTES
+) -> dict[str, Any]:
+    """Read one message of at most ``limit`` bytes. ``deadline=None`` waits indefinitely:
+    only for an idle server connection waiting for the next request, which closing the
+    socket interrupts."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    if n > MAX_MESSAGE_BYTES:
+    if n > limit:
         raise PeerError(f"control message of {n} bytes announced; refusing", "protocol")
     try:
         msg = json.loads(_recv_exact(sock, n, deadline))

@@ -3,7 +3,8 @@
     python -m tests.integration.p2p_worker CONFIG_JSON
 
 CONFIG: ``seed`` (the cache is random from it), ``num_blocks``, ``layout`` (KvLayout fields),
-``device`` ("cpu" | "cuda:N"), ``lease_s``, ``timeout_s``, ``batch_bytes``, ``backend``, and
+``device`` ("cpu" | "cuda:N"), ``lease_s``, ``timeout_s``, ``batch_bytes``, ``backend``,
+``token`` (the control-plane token, default none), and
 optionally ``slow_tag``/``slow_s``: before sending the batch with that tag the sender touches
 ``marker`` and sleeps ``slow_s`` (fault injection: a transfer that is in progress long enough
 to abort, or kill, in the middle; the protocol itself runs unchanged).
@@ -82,6 +83,7 @@ def main() -> None:
         timeout_s=cfg.get("timeout_s", 10.0),
         backend=cfg.get("backend", "auto"),
         batch_bytes=cfg.get("batch_bytes", 64 * 1024 * 1024),
+        token=cfg.get("token", ""),
     )
     conn.bind_kv_cache(kv, layout, "fp-test")
     releases: list[dict[str, Any]] = []

@@ -63,3 +63,18 @@ def test_built_connectors(tmp_path: Path) -> None:
     both = build_connector(KVStoreSettings("p2p", kv_path=str(tmp_path), kv_store="fs"))
     assert isinstance(both, P2PWithStore) and both.name == "p2p+fs"
     both.close()
+
+
+def test_token_and_kv_secret_come_from_the_service_settings_and_stay_out_of_repr() -> None:
+    """p2p reuses the services' control-plane token (``--grpc-token``, a service flag that
+    shares the namespace with the store flags); neither secret is ever printed."""
+    env = {"PDSERVE_CONNECTOR": "p2p", "PDSERVE_GRPC_TOKEN": "tok", "PDSERVE_KV_SECRET": "sec"}
+    s = KVStoreSettings.from_env(env)
+    assert (s.p2p_token, s.kv_secret) == ("tok", "sec")
+    p = argparse.ArgumentParser()
+    add_cli_arguments(p, env)
+    p.add_argument("--grpc-token", default="tok")  # as engine_service/settings.py adds it
+    assert KVStoreSettings.from_args(p.parse_args([])) == s
+    assert "tok" not in repr(s) and "sec" not in repr(s)
+    flags = p.parse_args(["--kv-secret", "other"])
+    assert KVStoreSettings.from_args(flags).kv_secret == "other"
