@@ -159,7 +159,10 @@ async def decode_deltas(
                         watch.touch()
                         delta = choice.on_chunk(chunk)
                         if delta is not None:
+                            watch.held = True  # a slow client is not a hung instance
                             yield delta
+                            watch.held = False
+                            watch.touch()
                         if chunk.finished or (delta is not None and delta.finish_reason):
                             done = chunk.finished  # else we stop it (router-side stop)
                             return

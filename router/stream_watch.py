@@ -6,7 +6,8 @@ beside one stream and cancels its call when either
 
 * the router's health checks found the instance unreachable (``Instance.lost`` is set:
   a Check/GetLoad with no answer — never for draining, whose streams must finish), or
-* no chunk arrived for ``idle_s`` seconds (the wait for the first chunk included).
+* no chunk arrived for ``idle_s`` seconds (the wait for the first chunk included; time
+  the reader spends handing a delta to a slow consumer, ``held``, does not count).
 
 The reader then sees ``asyncio.CancelledError`` from the call; :meth:`StreamWatch.stalled`
 tells that apart from a cancellation of the reading task itself (client gone), and the
@@ -26,7 +27,7 @@ from router.pool import Instance
 class StreamWatch:
     """Async context manager around one ``Decode`` call on ``inst``; ``touch()`` per chunk."""
 
-    __slots__ = ("_call", "_idle_s", "_inst", "_last", "_loop", "_task", "kind", "reason")
+    __slots__ = ("_call", "_idle_s", "_inst", "_last", "_loop", "_task", "held", "kind", "reason")
 
     def __init__(self, call: Any, inst: Instance, idle_s: float) -> None:
         if idle_s <= 0:
@@ -39,6 +40,8 @@ class StreamWatch:
         self._task: asyncio.Task[None] | None = None
         self.reason: str | None = None  # why the watch cancelled the call; None = it did not
         self.kind = ""  # "health" or "idle" once it did (the metric label)
+        # True while the reader waits on its own consumer (a slow client): not our stall.
+        self.held = False
 
     def touch(self) -> None:
         """A chunk arrived: restart the idle clock (a float store; no task per chunk)."""
@@ -68,6 +71,8 @@ class StreamWatch:
     async def _watch(self) -> None:
         lost = self._inst.lost  # the event of this stream's time on the instance
         while True:
+            if self.held:
+                self._last = self._loop.time()
             left = self._last + self._idle_s - self._loop.time()
             if left <= 0:
                 self.reason, self.kind = f"no chunk for {self._idle_s:g} s", "idle"
