@@ -16,14 +16,13 @@ group unusable: the executor reports it and the engine's next step fails the sam
 from __future__ import annotations
 
 import datetime
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from common.process_groups import abort_group
 
 
 class TPError(RuntimeError):
@@ -140,12 +139,4 @@ class TPGroup:
         groups = {id(g): g for g in (self.pg, self.host_pg) if g is not None}
         self.pg = self.host_pg = None
         for g in groups.values():
-            for method in ("abort", "shutdown"):
-                fn = getattr(g, method, None)
-                if fn is None:
-                    continue
-                try:
-                    fn()
-                    break
-                except Exception:  # noqa: BLE001 - tearing down; the group is dead anyway
-                    logger.debug("tensor-parallel group: %s() failed", method, exc_info=True)
+            abort_group(g, "tensor-parallel group")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import os
 import socket
 import threading
@@ -26,9 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.process_groups import abort_group
 from kv_store.p2p.wire import PeerError, remaining
-
-logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 # ProcessGroupNCCL reads its error handling from the environment when it is built. The
@@ -194,12 +192,4 @@ class PairGroup:
         pg, self.pg = self.pg, None
         if pg is None:
             return
-        for method in ("abort", "shutdown"):
-            fn = getattr(pg, method, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-                break
-            except Exception:  # noqa: BLE001 - tearing down; the group is dead anyway
-                logger.debug("p2p group %s: %s() failed", self.pair_id, method, exc_info=True)
+        abort_group(pg, f"p2p group {self.pair_id}")
