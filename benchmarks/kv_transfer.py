@@ -173,16 +173,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     timings.setdefault("tmpfs syscalls only", []).append(
                         bench_tmpfs_raw(src, dst, blocks, shm / f"raw-{shape_name}-{rep}")
                     )
-                for name in args.backends:
+                sealed = [f"{n}+mac" for n in args.backends if args.mac and n != "lmcache"]
+                for i, label in enumerate([*args.backends, *sealed]):
+                    name = label.removesuffix("+mac")
+                    # "+mac": the same connector with a KV secret (HMAC-SHA256 per record).
                     s = KVStoreSettings(name, kv_ttl=0, kv_capacity=0)
+                    s.kv_secret = "bench-secret" if label != name else ""
                     if name == "fs":
                         s.kv_path = str(shm / f"{shape_name}-{rep}")
                     elif name == "redis":
                         s.redis_url = redis_url
                     elif name == "lmcache":
                         s.lmcache_url, s.kv_capacity = lm_url, 2 * payload + (64 << 20)
-                    seed = 1000 * rep + len(timings)
-                    timings.setdefault(name, []).append(
+                    seed = 1000 * rep + 10 + i  # a fresh prompt per run: no dedup hits
+                    timings.setdefault(label, []).append(
                         bench_connector(s, lay, src, dst, args.tokens, seed)
                     )
                     if name == "fs":
@@ -256,6 +260,9 @@ def main() -> None:
         "--tokens", type=int, default=2048, help="prompt length (default 2048 = 128 blocks)"
     )
     p.add_argument("--repeats", type=int, default=3, help="median of this many runs")
+    p.add_argument(
+        "--mac", action="store_true", help="also time fs and redis with a KV secret (+mac rows)"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     if args.tokens < 1 or args.repeats < 1:
