@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.client import GenerateRequest
 from engine.config import EngineConfig
+from engine.executor import ExecutorFailure
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, LoadStats, RequestOutput
 from engine.request import RemoteKV
@@ -50,6 +51,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._load = self.engine.get_load()
+        self.fatal_error: BaseException | None = None  # set when the engine died for good
 
     @property
     def config(self) -> EngineConfig:
@@ -164,6 +166,11 @@ class AsyncLLMEngine:
             steps_before = engine.num_steps
             try:
                 outputs = engine.step()
+            except ExecutorFailure as exc:  # no later step can run: the engine is dead
+                logger.error("engine failed for good: %s", exc)
+                self.fatal_error = exc
+                self._fail_all(exc)
+                break
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 logger.exception("engine step failed; failing in-flight requests")
                 self._fail_all(exc)

@@ -20,6 +20,11 @@ from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
 
 
+class ExecutorFailure(RuntimeError):
+    """The executor cannot run steps any more (e.g. a tensor-parallel rank died): the engine
+    is dead for good, and the process serving it should stop so it is restarted."""
+
+
 class Executor(Protocol):
     """Runs the model for the engine: ``execute`` one step, ``shutdown`` once at the end."""
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.executor import ExecutorFailure
 from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 UP_KEY = "pdserve-tp/up/{rank}"
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(ExecutorFailure):
     """The tensor-parallel engine cannot run: a rank died, hung or failed to start."""
 
 

@@ -100,6 +100,7 @@ def _exit_despite_stray_threads(status: int, timeout: float = 5.0) -> None:
 async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: Register) -> int:
     """``args`` supplies the engine and store flags (their own settings are built from it)."""
     from engine.async_engine import AsyncLLMEngine, EngineDeadError
+    from engine.executor import ExecutorFailure
 
     role = settings.role
     config = engine_config_from_args(args)
@@ -116,7 +117,9 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         max_waiting=settings.max_waiting,
     )
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        ErrorMappingInterceptor(metrics.record_outcome, unavailable=(EngineDeadError,))
+        ErrorMappingInterceptor(
+            metrics.record_outcome, unavailable=(EngineDeadError, ExecutorFailure)
+        )
     ]
     if settings.grpc_token:  # outermost: an unauthenticated call goes no further
         interceptors.insert(0, TokenAuthInterceptor(settings.grpc_token, metrics.record_outcome))
@@ -141,20 +144,38 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
             settings.model_name,
             os.getpid(),
         )
-        await _drain_on_signal(core, health_servicer, settings.drain_grace)
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_stop_when_engine_dies(engine, stop))
+        await _drain_on_signal(core, health_servicer, settings.drain_grace, stop)
+        watcher.cancel()
         await server.stop(grace=2.0)
     finally:
         await engine.shutdown()  # also closes the connector
         if metrics_server is not None:
             metrics_server.shutdown()
+    if engine.fatal_error is not None:
+        # Exit non-zero so the supervisor (pdserve up, Kubernetes) starts a fresh instance.
+        logger.error("%s service stopped: the engine died (%s)", role, engine.fatal_error)
+        return 1
     logger.info("%s service stopped", role)
     return 0
 
 
-async def _drain_on_signal(core: EngineServiceCore, health_servicer: Any, grace: float) -> None:
-    """Block until SIGTERM/SIGINT, then drain: NOT_SERVING, refuse new, finish in-flight."""
+async def _stop_when_engine_dies(engine: Any, stop: asyncio.Event, every_s: float = 0.2) -> None:
+    """Set ``stop`` once the engine has died for good (a tensor-parallel rank failed): the
+    service then goes NOT_SERVING, refuses new calls (the router fails over) and exits."""
+    while engine.fatal_error is None:
+        await asyncio.sleep(every_s)
+    logger.error("engine died for good: %s; health NOT_SERVING, stopping", engine.fatal_error)
+    stop.set()
+
+
+async def _drain_on_signal(
+    core: EngineServiceCore, health_servicer: Any, grace: float, stop: asyncio.Event
+) -> None:
+    """Block until SIGTERM/SIGINT (or ``stop`` is set), then drain: NOT_SERVING, refuse new,
+    finish in-flight."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     hurry = asyncio.Event()
 
     def on_signal(signum: int) -> None:

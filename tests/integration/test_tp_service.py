@@ -1,0 +1,65 @@
+"""A tensor-parallel decode service (N = 2, CPU, gloo) whose worker rank dies takes itself
+down cleanly: the next request fails with UNAVAILABLE (so the router fails over), health
+stops answering SERVING, and the process exits non-zero so its supervisor starts a fresh
+one — never a hang, never a half-alive instance."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.service_fixtures import start_service
+
+GREEDY = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _tp_workers(pid: int) -> list[int]:
+    """Child processes of ``pid`` that run a tensor-parallel worker rank."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"engine.tp_worker" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _decode(stub: pb_grpc.DecodeServiceStub, request_id: str) -> list[int]:
+    request = pb.DecodeRequest(
+        request_id=request_id, prompt_token_ids=[5, 6, 7, 8, 9], params=GREEDY
+    )
+    return [t for chunk in stub.Decode(request, timeout=60) for t in chunk.token_ids]
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_rank_takes_the_service_down(tmp_path: Path, tiny_model_dir: Path) -> None:
+    service = start_service(
+        "decode", tiny_model_dir, tmp_path / "logs", extra_args=["--tensor-parallel-size", "2"]
+    )
+    try:
+        workers = _tp_workers(service.proc.pid)
+        assert len(workers) == 1, f"expected one worker rank, found {workers}"
+        with grpc.insecure_channel(service.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            assert len(_decode(stub, "before")) == 6
+            os.kill(workers[0], signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as failed:
+                _decode(stub, "after")
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        status = service.proc.wait(timeout=120)  # guarded by the test timeout too
+        assert status == 1, f"service exited {status}:\n{service.log_tail()}"
+        assert "engine died" in service.log_tail(80)
+    finally:
+        service.stop()
