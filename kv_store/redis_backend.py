@@ -81,7 +81,13 @@ class RedisBackend(VectoredBackend):
         self.breaker = CircuitBreaker(
             f"redis {url}", threshold=breaker_threshold, open_s=breaker_open_s
         )
-        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries)
+        # Only refused/reset connections are retried (redis-py's default also retries
+        # timeouts, which against a hung server multiplies the wait by retries + 1).
+        retry = Retry(
+            ExponentialBackoff(cap=0.5, base=0.05),
+            retries,
+            supported_errors=(redis.ConnectionError,),
+        )
         try:
             self._client: Any = redis.Redis.from_url(
                 url,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -276,3 +277,26 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def test_paused_redis_opens_the_breaker(redis_proc: ManagedServer, redis_server: str) -> None:
+    """A hung Redis (SIGSTOP): each operation fails after its socket timeout (not retried),
+    and after three in a row the rest are refused at once without being tried."""
+    from kv_store.base import KVStoreCircuitOpen, KVStoreError
+    from kv_store.redis_backend import RedisBackend
+
+    rb = RedisBackend(redis_server, socket_timeout_s=0.5)
+    assert redis_proc.proc is not None
+    try:
+        rb.put([("k", b"v")])
+        redis_proc.proc.send_signal(signal.SIGSTOP)
+        kinds = []
+        for _ in range(5):
+            with pytest.raises(KVStoreError) as info:
+                rb.exists(["k"])
+            kinds.append(type(info.value))
+        assert kinds == [KVStoreError] * 3 + [KVStoreCircuitOpen] * 2
+        assert rb.breaker.rejected == 2 and rb.breaker.opened == 1
+    finally:
+        redis_proc.proc.send_signal(signal.SIGCONT)
+        rb.close()
