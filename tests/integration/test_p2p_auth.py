@@ -10,34 +10,15 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kv_store.p2p.wire import recv_msg, send_msg, split_address
-from tests.integration.p2p_support import Worker
 
 pytestmark = pytest.mark.timeout(180)
 
 TOKEN = "the-control-plane-token"
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Any]:
-    made: list[Worker] = []
-
-    def make(name: str, **config: Any) -> Worker:
-        w = Worker(tmp_path / "logs", name, **config)
-        made.append(w)
-        return w
-
-    try:
-        yield make
-    finally:
-        for w in made:
-            w.stop()
 
 
 def test_pull_needs_the_token(workers: Any) -> None:

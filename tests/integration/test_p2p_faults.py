@@ -11,36 +11,17 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.p2p_support import Worker, wait_for
+from tests.integration.p2p_support import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 BATCH = 6 * 1024  # 3 blocks a batch (2 KiB blocks)
 SRC, DST = [1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Any]:
-    made: list[Worker] = []
-
-    def make(name: str, **config: Any) -> Worker:
-        w = Worker(tmp_path / "logs", name, **config)
-        made.append(w)
-        return w
-
-    try:
-        yield make
-    finally:
-        for w in made:
-            if w.proc.poll() is None:
-                w.kill(signal.SIGCONT)
-            w.stop()
 
 
 def slow(marker: Path, seconds: float) -> dict[str, Any]:

@@ -7,7 +7,6 @@ random from a seed, so the puller checks what it received against the source's s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +18,6 @@ pytestmark = pytest.mark.timeout(180)
 
 # 2 layers x 2 x 16 tokens x 2 heads x 8 dims x 4 bytes = 2 KiB a block: 3 blocks a batch.
 BATCH = 6 * 1024
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Any]:
-    made: list[Worker] = []
-
-    def make(name: str, **config: Any) -> Worker:
-        w = Worker(tmp_path / "logs", name, **config)
-        made.append(w)
-        return w
-
-    try:
-        yield make
-    finally:
-        for w in made:
-            w.stop()
 
 
 def held(w: Worker) -> tuple[int, int]:
