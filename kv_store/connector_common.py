@@ -4,7 +4,6 @@ worker pool with a result queue for ``poll``, and deadline bookkeeping."""
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import torch
 
 from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
 from kv_store.record import torch_dtype
+from kv_store.results import ResultQueue
 from kv_store.stats import ConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class AsyncConnectorBase(KVConnector):
         self.transfer_timeout_s = transfer_timeout_s
         self.counters = ConnectorStats()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kv-{self.name}")
-        self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._results = ResultQueue()
         self._kv: torch.Tensor | None = None
         self._layout: KvLayout | None = None
         self._fingerprint = ""
@@ -130,26 +130,11 @@ class AsyncConnectorBase(KVConnector):
         self._results.put(result)
 
     def poll(self) -> list[TransferResult]:
-        out: list[TransferResult] = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return self._results.drain()
 
     def wait(self, count: int, timeout_s: float) -> list[TransferResult]:
         """Block until ``count`` results arrived or ``timeout_s`` passed (tests, tools)."""
-        out: list[TransferResult] = []
-        end = time.monotonic() + timeout_s
-        while len(out) < count:
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                out.append(self._results.get(timeout=left))
-            except queue.Empty:
-                break
-        return out
+        return self._results.wait(count, timeout_s)
 
     def close(self) -> None:
         """Finish queued transfers (each bounded by its deadline) and stop the workers."""

@@ -19,7 +19,6 @@ that). This package imports only torch and the standard library.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -33,6 +32,7 @@ from kv_store.p2p.leases import Lease, LeaseTable
 from kv_store.p2p.mover import DEFAULT_BATCH_BYTES, record_ready
 from kv_store.p2p.server import PullServer, ServeConfig
 from kv_store.p2p.stats import P2PCounters, P2PStats
+from kv_store.results import ResultQueue
 from kv_store.stats import ConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class P2PConnector(KVConnector):
         self._token = token
         self.counters = ConnectorStats()
         self.p2p = P2PCounters(self.counters)
-        self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._results = ResultQueue()
         self.leases = LeaseTable(lease_s, self.p2p, self._lease_ended)
         self._kv: torch.Tensor | None = None
         self._server: PullServer | None = None
@@ -227,23 +227,11 @@ class P2PConnector(KVConnector):
 
     # -- both -------------------------------------------------------------------------------
     def poll(self) -> list[TransferResult]:
-        out: list[TransferResult] = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return self._results.drain()
 
     def wait(self, count: int, timeout_s: float) -> list[TransferResult]:
         """Block until ``count`` results arrived or ``timeout_s`` passed (tests, tools)."""
-        out: list[TransferResult] = []
-        end = time.monotonic() + timeout_s
-        while len(out) < count and (left := end - time.monotonic()) > 0:
-            try:
-                out.append(self._results.get(timeout=left))
-            except queue.Empty:
-                break
-        return out
+        return self._results.wait(count, timeout_s)
 
     def stats(self) -> ConnectorStats:
         return self.counters.snapshot()
