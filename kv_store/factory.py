@@ -53,24 +53,24 @@ def _parse_port(text: str | int) -> int:
     return port
 
 
-def _parse_seconds(text: str | float) -> float:
+def _seconds(text: str | float, what: str, *, zero_means: str | None = None) -> float:
+    """Seconds from a flag or env value: > 0, or >= 0 when 0 has a meaning (``zero_means``)."""
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"invalid duration {text!r}: expected seconds") from None
-    if value <= 0:
-        raise ValueError(f"duration must be > 0 seconds, got {text!r}")
+        raise ValueError(f"invalid {what} {text!r}: expected seconds") from None
+    if value < 0 or (value == 0 and zero_means is None):
+        bound = f">= 0 seconds (0 = {zero_means})" if zero_means else "> 0 seconds"
+        raise ValueError(f"{what} must be {bound}, got {text!r}")
     return value
 
 
+def _parse_seconds(text: str | float) -> float:
+    return _seconds(text, "duration")
+
+
 def _parse_ttl(text: str | float) -> float:
-    try:
-        ttl = float(text)
-    except ValueError:
-        raise ValueError(f"invalid KV TTL {text!r}: expected seconds") from None
-    if ttl < 0:
-        raise ValueError(f"KV TTL must be >= 0 seconds (0 = no expiry), got {text!r}")
-    return ttl
+    return _seconds(text, "KV TTL", zero_means="no expiry")
 
 
 @dataclass(slots=True)
