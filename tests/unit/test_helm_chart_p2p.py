@@ -18,10 +18,11 @@ def test_p2p_with_a_store() -> None:
     assert data["PDSERVE_P2P_PORT"] == "5557"
     assert (data["PDSERVE_P2P_LEASE_SECONDS"], data["PDSERVE_P2P_TIMEOUT"]) == ("20", "5")
     assert data["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert data["PDSERVE_REDIS_URL"].startswith("redis://")
+    assert "PDSERVE_REDIS_URL" not in data  # it carries the password: env from a Secret
     assert find(objs, "StatefulSet", f"{RELEASE}-pdserve-redis")  # the fallback store
     for role in ("prefill", "decode"):
         pod = container(find(objs, "Deployment", f"{RELEASE}-pdserve-{role}"))
+        assert env_of(pod)["PDSERVE_REDIS_URL"].startswith("redis://:$(REDIS_PASSWORD)@")
         assert env_of(pod)["PDSERVE_P2P_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         ports = {p["name"]: p["containerPort"] for p in pod["ports"]}
         assert ports["p2p"] == 5557

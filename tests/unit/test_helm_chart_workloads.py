@@ -210,7 +210,12 @@ def test_connectors() -> None:
 
     objs = render(ci("default"))  # in-chart Redis
     sts = find(objs, "StatefulSet", f"{RELEASE}-pdserve-redis")
-    assert config(objs)["PDSERVE_REDIS_URL"] == f"redis://{RELEASE}-pdserve-redis:6379/0"
+    assert "PDSERVE_REDIS_URL" not in config(objs)  # password inside: env, from a Secret
+    for role in ("prefill", "decode"):
+        env = env_of(container(find(objs, "Deployment", f"{RELEASE}-pdserve-{role}")))
+        assert (
+            env["PDSERVE_REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{RELEASE}-pdserve-redis:6379/0"
+        )
     assert "--maxmemory-policy" in container(sts)["command"]
     objs = render(ci("redis"))  # external Redis
     assert (

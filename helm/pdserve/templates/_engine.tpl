@@ -97,6 +97,7 @@ spec:
             {{- end }}
             {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.kvSecretEnv" $root }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "pdserve.redisEnv" $root }}{{ . | nindent 12 }}{{ end }}
             - name: HOME
               value: /tmp
             {{- with $pool.extraEnv }}

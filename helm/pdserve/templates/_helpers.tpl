@@ -132,13 +132,54 @@ app.kubernetes.io/part-of: pdserve
 {{- end }}
 {{- end }}
 
-{{/* KV store URL for redis/lmcache, in-chart or external. */}}
-{{- define "pdserve.redisUrl" -}}
-{{- if .Values.connector.redis.url }}
-{{- .Values.connector.redis.url }}
-{{- else }}
-{{- printf "redis://%s:6379/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) }}
+{{/* "true" when the chart deploys its own Redis (store redis, no external URL). */}}
+{{- define "pdserve.redisInChart" -}}
+{{- $r := .Values.connector.redis }}
+{{- if and (eq (include "pdserve.storeKind" .) "redis") (not $r.url) (not $r.urlSecret.name) }}true{{ end }}
 {{- end }}
+
+{{/* Secret holding the in-chart Redis password: the given one, or the chart's own. */}}
+{{- define "pdserve.redisAuthSecret" -}}
+{{- default (include "pdserve.componentName" (dict "root" . "component" "redis-auth")) .Values.connector.redis.auth.existingSecret }}
+{{- end }}
+
+{{/* PDSERVE_REDIS_URL of the engines when it carries a password, so never from the
+ConfigMap: in-chart Redis = REDIS_PASSWORD from its Secret, put into the URL by
+Kubernetes' $(VAR) expansion; external Redis with urlSecret = the whole URL from it. */}}
+{{- define "pdserve.redisEnv" -}}
+{{- $r := .Values.connector.redis }}
+{{- if include "pdserve.redisInChart" . -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisAuthSecret" . }}
+      key: {{ $r.auth.key }}
+- name: PDSERVE_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) | quote }}
+{{- else if and (eq (include "pdserve.storeKind" .) "redis") $r.urlSecret.name -}}
+- name: PDSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $r.urlSecret.name }}
+      key: {{ $r.urlSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The Redis in use, for NOTES.txt (never the password). */}}
+{{- define "pdserve.redisShownUrl" -}}
+{{- $r := .Values.connector.redis }}
+{{- if include "pdserve.redisInChart" . }}
+{{- printf "redis://%s:6379/0, password in Secret %s" (include "pdserve.componentName" (dict "root" . "component" "redis")) (include "pdserve.redisAuthSecret" .) }}
+{{- else if $r.urlSecret.name }}
+{{- printf "URL in Secret %s" $r.urlSecret.name }}
+{{- else }}
+{{- $r.url }}
+{{- end }}
+{{- end }}
+
+{{/* Namespace of every store key: kvKeyPrefix, or "<release>/" (one per deployment). */}}
+{{- define "pdserve.kvKeyPrefix" -}}
+{{- default (printf "%s/" .Release.Name) .Values.kvKeyPrefix }}
 {{- end }}
 
 {{- define "pdserve.lmcacheUrl" -}}
