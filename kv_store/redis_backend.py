@@ -48,6 +48,17 @@ def _chunks(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
         yield items[i : i + n]
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (``redis://:secret@h`` → ``redis://:***@h``):
+    the URL goes into logs, metrics names and error messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
 class RedisBackend(VectoredBackend):
     """A ``StorageBackend`` over one Redis server (``redis://host:port/db``)."""
 
@@ -67,19 +78,20 @@ class RedisBackend(VectoredBackend):
     ) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {url!r}"
+                f"redis_url must start with redis://, rediss:// or unix://, got {redact_url(url)!r}"
             )
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 (or None for no TTL), got {ttl_s}")
         if batch_keys < 1:
             raise ValueError(f"batch_keys must be >= 1, got {batch_keys}")
         self.url = url
+        self.shown_url = redact_url(url)  # what logs and errors may carry
         # EX takes whole seconds; round up so a TTL never expires early.
         self.ttl_s = None if ttl_s is None else max(1, math.ceil(ttl_s))
         self.key_prefix = key_prefix
         self.batch_keys = batch_keys
         self.breaker = CircuitBreaker(
-            f"redis {url}", threshold=breaker_threshold, open_s=breaker_open_s
+            f"redis {self.shown_url}", threshold=breaker_threshold, open_s=breaker_open_s
         )
         # Only refused/reset connections are retried (redis-py's default also retries
         # timeouts, which against a hung server multiplies the wait by retries + 1).
@@ -105,7 +117,7 @@ class RedisBackend(VectoredBackend):
                 command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
             )
         except ValueError as e:
-            raise ValueError(f"invalid redis_url {url!r}: {e}") from e
+            raise ValueError(f"invalid redis_url {redact_url(url)!r}: {e}") from None
 
     def _k(self, key: str) -> str:
         return self.key_prefix + key
@@ -115,7 +127,7 @@ class RedisBackend(VectoredBackend):
         try:
             self._client.ping()
         except redis.RedisError as e:
-            raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+            raise KVStoreError(f"redis {self.shown_url} unreachable: {e}") from e
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         """``fn()`` through the circuit breaker, redis-py errors as ``KVStoreError``."""
@@ -124,7 +136,7 @@ class RedisBackend(VectoredBackend):
             try:
                 return fn()
             except redis.RedisError as e:
-                raise KVStoreError(f"redis {self.url} unreachable: {e}") from e
+                raise KVStoreError(f"redis {self.shown_url} unreachable: {e}") from e
 
         return self.breaker.call(once)
 
@@ -173,7 +185,7 @@ class RedisBackend(VectoredBackend):
         if not keys:
             return []
         if not self.vectored_io:
-            raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.url!r}")
+            raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.shown_url!r}")
         # Checked before anything is sent: a bad buffer found mid-reply would leave earlier
         # keys' buffers written and raise a TypeError from inside the socket loop.
         views = [_byte_views(bufs, f"parts[{i}]", writable=True) for i, bufs in enumerate(parts)]
