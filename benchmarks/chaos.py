@@ -187,7 +187,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         MODEL[0] = str(model)
         argv = [
             sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "2",
-            "--decode", "2", "--connector", "redis", "--port", str(free_port()),
+            "--decode", "2", "--connector", args.connector, "--port", str(free_port()),
             "--torch-threads", "1", "--kv-cache-memory", "64Mi", "--max-restarts", "10",
             "--shutdown-grace", "10",
         ]  # fmt: skip
@@ -200,8 +200,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "chaos",
         "command": shlex.join([".venv/bin/python", "benchmarks/chaos.py", *sys.argv[1:]]),
-        "system": "pdserve up --prefill 2 --decode 2 --connector redis (private redis-server), "
-        "tiny random Llama, CPU, --torch-threads 1",
+        "system": f"pdserve up --prefill 2 --decode 2 --connector {args.connector}"
+        + (" (private redis-server)" if args.connector == "redis" else "")
+        + ", tiny random Llama, CPU, --torch-threads 1",
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -227,7 +228,10 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--md", type=Path, help="write the markdown table here")
+    ap.add_argument("--connector", default="redis", choices=["redis", "fs", "p2p"])
     args = ap.parse_args()
+    if args.connector != "redis" and any(f.endswith("_redis") for f in args.faults):
+        ap.error("the redis faults need --connector redis")
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
     print(text)
