@@ -135,6 +135,12 @@ async def decode_deltas(
     if router_text:
         choice.start_router_text()
     while True:
+        if choice.failovers and len(choice.tokens) >= job.max_tokens:
+            # Every token arrived before the instance was lost (only the final chunk did
+            # not): the choice is complete, and resuming would ask for more than max_tokens.
+            text = choice.resumed.feed([], True)[0] if choice.resumed is not None else ""
+            yield Delta(index, [], text, None, "length")
+            return
         pool = leg.decode_pool
         inst = pool.select(ctx, exclude=choice.tried) or (
             pool.select(ctx) if choice.tried else None
