@@ -8,6 +8,11 @@ this CPU's model and feature flags: a cache copied to another machine never load
 for the wrong instruction set. Builds go to a temporary file renamed into place, so several
 processes building at once are safe.
 
+The kernel runs in float32 or bfloat16 (bf16 query/cache/output, float32 arithmetic).
+``cpu_bf16_native()`` says whether this CPU has bf16 instructions (``avx512_bf16`` or
+``amx_bf16``); the kernel's bf16 path does not need them (it widens bf16 with shifts), but
+``dtype="auto"`` only picks bf16 where they exist (docs/design.md §3, docs/engine.md).
+
 ``PDSERVE_CPU_KERNELS=0`` turns the kernels off (the torch path runs instead, for A/B
 comparisons). Without a working compiler one warning is logged and the torch path runs.
 """
@@ -32,6 +37,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
+# Element dtypes the kernel takes (query, cache and output share one), with its dtype code.
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# /proc/cpuinfo flags of CPUs with bf16 arithmetic (AVX-512 BF16 dot products, AMX tiles).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # -march=native: this machine's vector width (the cache key includes the CPU, so the build
 # never runs elsewhere). -fopenmp-simd: only the vectorization pragmas, no OpenMP runtime
@@ -50,6 +59,21 @@ _ERRORS = {
 def kernels_enabled() -> bool:
     """False when ``PDSERVE_CPU_KERNELS`` is 0/false/off/no."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
+    """True when this CPU (or the given ``/proc/cpuinfo`` text) lists ``avx512_bf16`` or
+    ``amx_bf16``. False where /proc/cpuinfo cannot be read (not Linux): unknown means no."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() == "flags" and BF16_CPU_FLAGS & set(value.split()):
+            return True
+    return False
 
 
 def cache_dir() -> Path:
@@ -123,7 +147,7 @@ class DecodeKernel:
         fn = lib.pd_paged_decode
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, i64, p, p, p, i64]
-        fn.argtypes += [ctypes.c_float, p, i64, ctypes.POINTER(i64)]
+        fn.argtypes += [ctypes.c_float, p, i64, i64, ctypes.POINTER(i64)]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._lib = lib  # keeps the library loaded as long as the kernel lives
@@ -144,7 +168,8 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """Decode attention into ``out`` [T, Hq, D] and return it.
 
-        ``query`` [T, Hq, D]; ``kv_cache`` [2, num_blocks, block_size, Hkv, D];
+        ``query``, ``kv_cache`` and ``out`` are all float32 or all bfloat16 (bf16 is
+        computed in float32 and rounded to nearest-even once, at the output). ``query`` [T, Hq, D]; ``kv_cache`` [2, num_blocks, block_size, Hkv, D];
         ``block_tables`` [num_reqs, width] int32; ``seq_lens`` [num_reqs] int32. Item i
         attends query row ``q_rows[i]`` over request ``reqs[i]``'s first ``seq_lens``
         tokens (int64 index tensors of equal length; None = 0..num_reqs-1 for both). Rows of
@@ -152,6 +177,11 @@ class DecodeKernel:
         _check_float(query, "query", 3)
         _check_float(kv_cache, "kv_cache", 5)
         _check_float(out, "out", 3)
+        if not query.dtype == kv_cache.dtype == out.dtype:
+            raise ValueError(
+                "query, kv_cache and out must share one dtype, got "
+                f"{query.dtype}, {kv_cache.dtype} and {out.dtype}"
+            )
         tokens, q_heads, dim = query.shape
         two, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
         if dim < 1:
@@ -199,7 +229,7 @@ class DecodeKernel:
                 block_tables.data_ptr(), num_reqs, width, seq_lens.data_ptr(),
                 None if reqs is None else reqs.data_ptr(),
                 None if q_rows is None else q_rows.data_ptr(),
-                n, scale, out.data_ptr(), threads, ctypes.byref(bad),
+                n, scale, out.data_ptr(), threads, KERNEL_DTYPES[query.dtype], ctypes.byref(bad),
             )  # fmt: skip
         if code:
             if code == 5:
@@ -209,8 +239,10 @@ class DecodeKernel:
 
 
 def _check_float(t: torch.Tensor, name: str, ndim: int) -> None:
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
+    if t.device.type != "cpu" or t.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"{name} must be a CPU float32 or bfloat16 tensor, got {t.dtype} on {t.device}"
+        )
     if t.dim() != ndim or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous {ndim}-D tensor, got {list(t.shape)}")
 

@@ -2,9 +2,9 @@
 
 Decode rows (one query per request) are batched into one padded SDPA call; prefill and
 chunked-prefill requests are handled one by one with a causal mask offset by their context.
-On the CPU in float32, decode rows go to the C kernel of ``cpu_kernels`` instead (it reads
-the paged blocks in place rather than gathering them into a copy), unless it is switched
-off (``PDSERVE_CPU_KERNELS=0``) or cannot be built.
+On the CPU in float32 or bfloat16, decode rows go to the C kernel of ``cpu_kernels``
+instead (it reads the paged blocks in place rather than gathering them into a copy),
+unless it is switched off (``PDSERVE_CPU_KERNELS=0``) or cannot be built.
 """
 
 from __future__ import annotations
@@ -13,20 +13,33 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.cpu_kernels import DecodeKernel, kernels_enabled, load_decode_kernel
+from engine.attention.kv_quant import DEFAULT_SCALE, byte_view, dequantize, quantize
+from engine.attention.cpu_kernels import (
+    KERNEL_DTYPES,
+    DecodeKernel,
+    kernels_enabled,
+    load_decode_kernel,
+)
 
 
 def write_kv(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = DEFAULT_SCALE,
+    v_scale: float = DEFAULT_SCALE,
 ) -> None:
-    """Scatter new K/V rows into the paged cache ``[2, blocks, block, heads, dim]``."""
+    """Scatter new K/V rows into the paged cache ``[2, blocks, block, heads, dim]``,
+    quantized for an fp8 cache (``kv_quant.quantize`` with ``k_scale``/``v_scale``)."""
     _, num_blocks, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    # As bytes for fp8: torch's CPU build has no float8 index_copy_.
+    flat = byte_view(kv_cache).view(2, num_blocks * block_size, heads, dim)
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slots, byte_view(quantize(key, kv_cache.dtype, k_scale)))
+    flat[1].index_copy_(0, slots, byte_view(quantize(value, kv_cache.dtype, v_scale)))
 
 
 def gather_context(
@@ -45,10 +58,19 @@ def gather_context(
 class TorchRefAttention(AttentionBackend):
     name = "torch_ref"
 
-    def __init__(self, cpu_kernels: bool | None = None) -> None:
+    def __init__(
+        self,
+        cpu_kernels: bool | None = None,
+        k_scale: float = DEFAULT_SCALE,
+        v_scale: float = DEFAULT_SCALE,
+    ) -> None:
         """``cpu_kernels``: use the C decode kernel where it applies (None: unless
-        ``PDSERVE_CPU_KERNELS=0``). Public so a benchmark can flip it on a live engine."""
+        ``PDSERVE_CPU_KERNELS=0``). Public so a benchmark can flip it on a live engine.
+        ``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (engine/attention/kv_quant.py;
+        unused for a model-dtype cache). An fp8 cache never takes the C kernel (it reads
+        float32/bf16 blocks only): its decode rows run the torch path."""
         self.cpu_kernels = kernels_enabled() if cpu_kernels is None else cpu_kernels
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(
         self,
@@ -59,7 +81,7 @@ class TorchRefAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
+        write_kv(kv_cache, key, value, meta.slot_mapping, self.k_scale, self.v_scale)
         starts = meta.query_start_loc_cpu
         decode_reqs: list[int] = []
         prefill_reqs: list[int] = []
@@ -89,9 +111,12 @@ class TorchRefAttention(AttentionBackend):
             if seq_len == q1 - q0:
                 # No cached context: the new rows are the whole context (same values the
                 # cache now holds), so skip reading them back.
-                k, v = key[q0:q1].to(kv_cache.dtype), value[q0:q1].to(kv_cache.dtype)
+                k = quantize(key[q0:q1], kv_cache.dtype, self.k_scale)
+                v = quantize(value[q0:q1], kv_cache.dtype, self.v_scale)
             else:
                 k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            k = dequantize(k, query.dtype, self.k_scale)
+            v = dequantize(v, query.dtype, self.v_scale)
             out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, causal_offset=seq_len - (q1 - q0))
         return out
 
@@ -102,8 +127,8 @@ class TorchRefAttention(AttentionBackend):
         if not (
             self.cpu_kernels
             and query.device.type == "cpu"
-            and query.dtype == torch.float32
-            and kv_cache.dtype == torch.float32
+            and query.dtype in KERNEL_DTYPES  # float32 or bf16 (docs/design.md §3)
+            and kv_cache.dtype == query.dtype
             and query.is_contiguous()
             and kv_cache.is_contiguous()
             and meta.block_tables.device.type == "cpu"
@@ -134,7 +159,8 @@ class TorchRefAttention(AttentionBackend):
         batch, kv_heads, dim = len(lens), kv_cache.shape[3], kv_cache.shape[4]
         ctx = kv_cache.index_select(1, tables.reshape(-1))  # [2, B*n, block, heads, dim]
         ctx = ctx.view(2, batch, n_blocks * block_size, kv_heads, dim).transpose(2, 3)
-        k, v = ctx[0].to(query.dtype), ctx[1].to(query.dtype)  # [B, kv_heads, L, dim]
+        k = dequantize(ctx[0], query.dtype, self.k_scale)  # [B, kv_heads, L, dim]
+        v = dequantize(ctx[1], query.dtype, self.v_scale)
         # Grouped-query attention without repeating K/V: the query heads that share a KV
         # head become rows of one query block ([B, kv_heads, groups, dim]).
         groups = query.shape[1] // kv_heads
