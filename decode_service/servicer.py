@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc.aio
 
+from common.grpc_tls import peer_identity
 from engine.client import GenerateRequest
 from engine_service.convert import (
     check_handle_compatible,
@@ -70,7 +71,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 output_token_ids=generated or None,
                 remote_kv=remote_kv,
                 priority=request.priority,
-            )
+            ),
+            owner=peer_identity(context),  # the only identity that may Abort it
         )
         async for out in stream:
             if out.error:

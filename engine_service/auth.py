@@ -1,9 +1,13 @@
-"""The services' server interceptor for the control plane's shared token
-(``common/grpc_token.py``).
+"""The services' server interceptors for the control plane (docs/design.md §3,
+"Control-plane security"): the shared token (``common/grpc_token.py``) and the mTLS
+client allow-list (``common/grpc_tls.py``).
 
 A call without ``authorization: Bearer <token>`` ends with UNAUTHENTICATED before its
 request is even parsed; the standard ``grpc.health.v1`` service stays open, because
-Kubernetes probes and the launcher's readiness checks cannot send metadata.
+Kubernetes probes and the launcher's readiness checks cannot send metadata. With mTLS the
+handshake already refused callers without a certificate from the CA; with
+``--grpc-allowed-clients`` a call whose certificate names none of the allowed identities
+ends with PERMISSION_DENIED, again before its request is parsed.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from common.grpc_tls import identity_allowed, peer_identity
 from common.grpc_token import presented
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_PREFIX = "/grpc.health.v1."
 _MESSAGE = "missing or wrong control-plane token: send 'authorization: Bearer <token>'"
+_DENIED = "this client certificate is not in the service's --grpc-allowed-clients"
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -57,6 +63,69 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(_deny_unary)
         return grpc.unary_unary_rpc_method_handler(_deny_unary)
+
+
+class AllowedClientsInterceptor(grpc.aio.ServerInterceptor):
+    """With mTLS: refuses (PERMISSION_DENIED) calls whose peer certificate names none of
+    ``allowed`` (SAN or CN); health checks stay open to any peer the handshake let in."""
+
+    def __init__(
+        self, allowed: tuple[str, ...], record_outcome: Callable[[str, str], None] | None = None
+    ):
+        if not allowed:
+            raise ValueError("AllowedClientsInterceptor needs at least one allowed identity")
+        self._allowed = allowed
+        self._record = record_outcome or (lambda _rpc, _outcome: None)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(_HEALTH_PREFIX):
+            return handler
+        # The peer is known only inside the call (its context), so the check wraps the
+        # handler instead of replacing it.
+        return _checked(handler, method.rsplit("/", 1)[-1], self._allowed, self._record)
+
+
+def _checked(
+    handler: grpc.RpcMethodHandler,
+    rpc: str,
+    allowed: tuple[str, ...],
+    record: Callable[[str, str], None],
+) -> grpc.RpcMethodHandler:
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        identity = peer_identity(context)
+        if not identity_allowed(identity, allowed):
+            logger.warning("refused %s from %r: not an allowed client", rpc, identity)
+            record(rpc, "permission_denied")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, _DENIED)
+
+    def parse(raw: bytes) -> Any:
+        # Raw bytes until the peer is checked: a refused request is never parsed.
+        return handler.request_deserializer(raw) if handler.request_deserializer else raw
+
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(context)
+            async for item in inner_stream(parse(raw), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+    if handler.unary_unary is not None:
+        inner_unary = handler.unary_unary
+
+        async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await inner_unary(parse(raw), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+    raise ValueError(f"{rpc}: client-streaming RPCs are not served by pdserve")
 
 
 async def _deny_unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:

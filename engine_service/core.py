@@ -5,6 +5,13 @@ admitted only while the service is not draining and (with ``max_waiting``) the e
 queue has room; it leaves the set when its stream ends however it ends, and an unfinished
 engine request is aborted then — this is how a client's cancellation or an expired deadline
 frees the engine's KV blocks.
+
+Each request remembers its owner: the authenticated identity of the peer that started it
+(``common.grpc_tls.peer_identity``: its certificate's names with mTLS, "" otherwise). Only
+the owner may ``Abort`` it; an Abort from anyone else answers ``found=False`` and changes
+nothing (docs/design.md §3, "Control-plane security"). Owners of finished requests are
+kept for a while (``RECENT_OWNERS``), because a finished prefill can still hold its KV for
+a p2p pull, and Abort ends that hold.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc.aio
 
+from common.grpc_tls import peer_identity
 from engine.client import EngineClient, GenerateRequest
 from engine.outputs import RequestOutput
 from engine_service.errors import EngineFull, ServiceUnavailable
@@ -24,6 +33,10 @@ from engine_service.metrics import ServiceMetrics
 from pdserve.v1 import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+# Owners of this many finished requests are remembered: far more than can finish within a
+# p2p lease (30 s by default), so a held transfer's owner is still known when Abort comes.
+RECENT_OWNERS = 65536
 
 
 @dataclass(slots=True)
@@ -36,7 +49,8 @@ class EngineServiceCore:
     model_name: str
     max_waiting: int = 0
     draining: bool = False
-    _inflight: set[str] = field(default_factory=set)
+    _inflight: dict[str, str] = field(default_factory=dict)  # request id -> owner identity
+    _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)  # finished: owners
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -62,10 +76,11 @@ class EngineServiceCore:
                     f"{self.role} engine queue is full ({waiting} waiting); retry later or elsewhere"
                 )
 
-    async def run(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """``engine.submit`` with bookkeeping: tracked while running, aborted if left early."""
+    async def run(self, request: GenerateRequest, owner: str = "") -> AsyncIterator[RequestOutput]:
+        """``engine.submit`` with bookkeeping: tracked (with its ``owner``, the identity that
+        may abort it) while running, aborted if left early."""
         request_id = request.request_id
-        self._inflight.add(request_id)
+        self._inflight[request_id] = owner
         self._idle.clear()
         completed = False
         try:
@@ -73,12 +88,23 @@ class EngineServiceCore:
                 yield out
             completed = True
         finally:
-            self._inflight.discard(request_id)
+            self._remember(request_id, self._inflight.pop(request_id, owner))
             if not self._inflight:
                 self._idle.set()
             if not completed:
                 # Cancelled, deadline passed or failed mid-way: free the engine's blocks now.
                 await _quiet_abort(self.engine, request_id)
+
+    def _remember(self, request_id: str, owner: str) -> None:
+        self._recent[request_id] = owner
+        self._recent.move_to_end(request_id)
+        while len(self._recent) > RECENT_OWNERS:
+            self._recent.popitem(last=False)
+
+    def owner_of(self, request_id: str) -> str | None:
+        """The identity that started ``request_id`` (running or recently finished), or None."""
+        owner = self._inflight.get(request_id)
+        return owner if owner is not None else self._recent.get(request_id)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until no request is in flight; True if it got there."""
@@ -97,9 +123,22 @@ class EngineServiceCore:
     ) -> pb.AbortResponse:
         """Abort a running request; ``found`` is False when it is unknown or already done.
         Its stream then ends with finish_reason "abort". A finished prefill whose KV is held
-        for a pull (p2p) is not running, but the engine still ends its hold."""
-        found = request.request_id in self._inflight
-        await self.engine.abort(request.request_id)
+        for a pull (p2p) is not running, but the engine still ends its hold.
+
+        Only the identity that started the request may abort it: another caller gets
+        ``found=False`` and nothing happens (the same answer as for an unknown id, so Abort
+        tells no one which other requests run here)."""
+        request_id = request.request_id
+        caller = peer_identity(context)
+        owner = self.owner_of(request_id)
+        if owner is not None and owner != caller:
+            logger.warning(
+                "refused Abort of %s from %r: the request belongs to %r", request_id, caller, owner
+            )
+            self.metrics.record_outcome("Abort", "not_owner")
+            return pb.AbortResponse(found=False)
+        found = request_id in self._inflight
+        await self.engine.abort(request_id)
         return pb.AbortResponse(found=found)
 
     async def GetLoad(

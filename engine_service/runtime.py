@@ -24,7 +24,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine_service.auth import TokenAuthInterceptor
+from common.grpc_tls import TlsFiles, parse_allowed
+from engine_service.auth import AllowedClientsInterceptor, TokenAuthInterceptor
 from engine_service.core import EngineServiceCore
 from engine_service.errors import ErrorMappingInterceptor
 from engine_service.metrics import ServiceMetrics
@@ -103,6 +104,10 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
     from engine.executor import ExecutorFailure
 
     role = settings.role
+    # Before the engine loads: a bad certificate should not cost a model load first.
+    tls = TlsFiles.load(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_ca)
+    if settings.grpc_allowed_clients and tls is None:
+        raise ValueError("--grpc-allowed-clients needs mTLS (--grpc-tls-cert/-key/-ca)")
     config = engine_config_from_args(args)
     connector = build_connector(args)
     engine = AsyncLLMEngine(config, connector)
@@ -116,30 +121,33 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         model_name=settings.model_name,
         max_waiting=settings.max_waiting,
     )
-    interceptors: list[grpc.aio.ServerInterceptor] = [
+    interceptors = _interceptors(settings, tls, metrics)
+    interceptors.append(
         ErrorMappingInterceptor(
             metrics.record_outcome, unavailable=(EngineDeadError, ExecutorFailure)
         )
-    ]
-    if settings.grpc_token:  # outermost: an unauthenticated call goes no further
-        interceptors.insert(0, TokenAuthInterceptor(settings.grpc_token, metrics.record_outcome))
+    )
     server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
     names = register(server, core, connector)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_server = None
     metrics_server = None
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        port = _listen(server, f"{settings.host}:{settings.port}", tls)
+        if settings.grpc_health_port:
+            health_server = await _serve_health(health_servicer, settings)
         if settings.metrics_port:
             metrics_server = metrics.serve(settings.host, settings.metrics_port)
         await server.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "%s service serving on %s:%d (metrics :%s, model %s, pid %d)",
+            "%s service serving on %s:%d (%s, metrics :%s, model %s, pid %d)",
             role,
             settings.host,
             port,
+            "mTLS" if tls else "plaintext",
             settings.metrics_port or "off",
             settings.model_name,
             os.getpid(),
@@ -150,6 +158,8 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         watcher.cancel()
         await server.stop(grace=2.0)
     finally:
+        if health_server is not None:
+            await health_server.stop(grace=None)
         await engine.shutdown()  # also closes the connector
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -159,6 +169,40 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         return 1
     logger.info("%s service stopped", role)
     return 0
+
+
+def _interceptors(
+    settings: ServiceSettings, tls: TlsFiles | None, metrics: ServiceMetrics
+) -> list[grpc.aio.ServerInterceptor]:
+    """The authentication interceptors, outermost first: an unauthenticated or disallowed
+    call goes no further (docs/design.md §3, "Control-plane security")."""
+    chain: list[grpc.aio.ServerInterceptor] = []
+    if settings.grpc_token:
+        chain.append(TokenAuthInterceptor(settings.grpc_token, metrics.record_outcome))
+    allowed = parse_allowed(settings.grpc_allowed_clients)
+    if tls is not None and allowed:
+        chain.append(AllowedClientsInterceptor(allowed, metrics.record_outcome))
+    return chain
+
+
+def _listen(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
+    """Bind ``address`` (with mTLS when ``tls``); ValueError when it cannot be bound."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    try:
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError as exc:
+        raise ValueError(f"cannot listen with mTLS on {address}: {exc}") from None
+
+
+async def _serve_health(health_servicer: Any, settings: ServiceSettings) -> grpc.aio.Server:
+    """A second, plaintext server with only ``grpc.health.v1``: the kubelet's gRPC probes
+    cannot present a client certificate. It shares the main server's health states."""
+    server = grpc.aio.server(options=_GRPC_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{settings.host}:{settings.grpc_health_port}")
+    await server.start()
+    return server
 
 
 async def _stop_when_engine_dies(engine: Any, stop: asyncio.Event, every_s: float = 0.2) -> None:

@@ -20,6 +20,7 @@ from common.flags import (
     optional_int,
     positive_int,
 )
+from common.grpc_tls import add_tls_arguments
 
 # The engine validates the value at startup (engine.spec_decode.config, not imported here:
 # this module stays torch-free).
@@ -175,6 +176,22 @@ def add_service_arguments(parser: argparse.ArgumentParser | Any, *, role: str) -
         help="require 'authorization: Bearer TOKEN' on every call but health checks "
         "(prefer the environment twin: a command line is visible to every user)",
     )
+    add_tls_arguments(group, server=True)
+    add_env_argument(
+        group,
+        "--grpc-allowed-clients",
+        default="",
+        help="with mTLS: only callers whose certificate names one of these (SAN DNS/IP or "
+        "CN, comma-separated) may call; empty = any certificate the CA signed",
+    )
+    add_env_argument(
+        group,
+        "--grpc-health-port",
+        type=non_negative_int,
+        default=0,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that "
+        "cannot do mTLS, e.g. the kubelet's); 0 = off",
+    )
     if role == "decode":
         add_env_argument(
             group,
@@ -233,6 +250,11 @@ class ServiceSettings:
     torch_threads: int
     model_name: str
     grpc_token: str = ""  # empty: calls need no token (common/grpc_token.py)
+    grpc_tls_cert: str = ""  # the three together or none: mTLS (common/grpc_tls.py)
+    grpc_tls_key: str = ""
+    grpc_tls_ca: str = ""
+    grpc_allowed_clients: str = ""  # with mTLS: allowed certificate names, comma-separated
+    grpc_health_port: int = 0  # plaintext health-only port for probes; 0 = off
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str) -> ServiceSettings:
@@ -247,4 +269,9 @@ class ServiceSettings:
             args.torch_threads,
             args.model,
             args.grpc_token,
+            args.grpc_tls_cert,
+            args.grpc_tls_key,
+            args.grpc_tls_ca,
+            args.grpc_allowed_clients,
+            args.grpc_health_port,
         )

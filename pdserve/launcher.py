@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from common.flags import add_env_argument, fair_thread_share, non_negative_int, positive_int
+from common.grpc_tls import FLAGS as TLS_FLAGS
+from common.grpc_tls import TlsFiles
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from common.grpc_token import new_token
 from engine_service.settings import (
@@ -137,6 +139,10 @@ def build_plan(
     engine_flags = _engine_flags(args, model_dir, threads)
     gpus = assign_gpus(num_engines, gpu_ids(args))
     ports = free_ports(2 * num_engines)
+    # mTLS: one certificate for the services and the router (it must name 127.0.0.1, or
+    # --grpc-tls-server-name, and allow both TLS server and client use).
+    tls = TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
+    tls_flags = _tls_flags(args) if tls is not None else []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     services: list[Child] = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
@@ -151,7 +157,9 @@ def build_plan(
                 ["--speculative", args.speculative] if role == "decode" and args.speculative else []
             )
             argv = launcher.python(role, *listen, *engine_flags, *spec, *share, *connector_flags)
-            child = launcher.add(f"{role}-{i}", argv, grpc_probe(address))
+            argv += tls_flags
+            probe = grpc_probe(address, tls, args.grpc_tls_server_name)
+            child = launcher.add(f"{role}-{i}", argv, probe)
             if gpu is not None:
                 child.env_extra["CUDA_VISIBLE_DEVICES"] = gpu
                 logger.info("%s-%d on GPU %s", role, i, gpu)
@@ -162,6 +170,8 @@ def build_plan(
         *["--model", model_dir, "--served-model-name", args.model],
         *["--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])],
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+        *tls_flags,
+        *(["--grpc-tls-server-name", args.grpc_tls_server_name] if tls_flags else []),
     )
     router = launcher.add(
         "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
@@ -178,6 +188,14 @@ def build_plan(
         child.env_extra[KV_SECRET_ENV] = kv_secret  # by environment, never argv (ps)
     logger.info("%d engine process(es), %d torch thread(s) each", num_engines, threads)
     return ([store] if store else []), [*services, router], launcher.child_env(threads)
+
+
+def _tls_flags(args: argparse.Namespace) -> list[str]:
+    """The mTLS file flags, passed on as given (paths, not secrets: argv is fine)."""
+    words: list[str] = []
+    for flag in TLS_FLAGS:
+        words += [flag, os.path.abspath(getattr(args, flag.lstrip("-").replace("-", "_")))]
+    return words
 
 
 def _connect_host(host: str) -> str:
@@ -215,6 +233,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         _check_counts(args)
         gpu_ids(args)  # misuse of --gpus / --gpu-ids fails before anything starts
+        TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)  # so do certs
         _check_port_free(args.host, args.port)
         from common.models import resolve_model
 
@@ -318,6 +337,13 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         {"default": "", "help": "clients must send 'Authorization: Bearer KEY' (comma: several)"},
     ),
     ("--port", {"type": positive_int, "default": 8000, "help": "router port"}),
+    ("--grpc-tls-cert", {"default": "", "help": "mTLS between router and services: certificate"}),
+    ("--grpc-tls-key", {"default": "", "help": "mTLS: the certificate's private key"}),
+    ("--grpc-tls-ca", {"default": "", "help": "mTLS: the CA that signed the certificate"}),
+    (
+        "--grpc-tls-server-name",
+        {"default": "", "help": "mTLS: name to check in the services' certificate"},
+    ),
     ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
     ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),
     ("--gpu-ids", {"help": "spread engines round-robin over these GPUs, e.g. 0,1"}),

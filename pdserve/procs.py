@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +103,23 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def grpc_probe(address: str) -> Probe:
+def grpc_probe(address: str, tls: Any = None, server_name: str = "") -> Probe:
     """True once the service at ``address`` answers the standard health check with SERVING.
-    Each probe uses its own short-lived channel, so nothing stays connected afterwards."""
+    Each probe uses its own short-lived channel, so nothing stays connected afterwards.
+    ``tls`` (a ``common.grpc_tls.TlsFiles``): probe over mTLS with these credentials."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    def channel_to() -> Any:
+        if tls is None:
+            return grpc.insecure_channel(address)
+        from common.grpc_tls import channel_options
+
+        creds = tls.channel_credentials()
+        return grpc.secure_channel(address, creds, options=channel_options(server_name))
+
     def probe() -> bool:
-        with grpc.insecure_channel(address) as channel:
+        with channel_to() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc.aio
 
+from common.grpc_tls import peer_identity
 from engine.client import GenerateRequest
 from engine_service.convert import (
     kv_handle,
@@ -50,7 +51,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         last: Any = None
         committed = False
         new = GenerateRequest(request_id, prompt, params, save_kv=True, priority=request.priority)
-        async for out in core.run(new):
+        async for out in core.run(new, owner=peer_identity(context)):
             last = out
             if out.new_token_ids and first_at is None:
                 first_at = time.monotonic()

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from common.flags import add_env_argument, add_env_switch, non_negative_int, positive_int
+from common.grpc_tls import TlsFiles, add_tls_arguments
 from router.discovery import (
     DnsDiscovery,
     EndpointSliceDiscovery,
@@ -127,6 +128,7 @@ def add_router_arguments(parser: argparse.ArgumentParser | Any) -> None:
         help="send 'authorization: Bearer TOKEN' on every gRPC call (the services' "
         "--grpc-token; prefer the environment twin)",
     )
+    add_tls_arguments(g, server=False)
     add_env_switch(
         g,
         "--public-metrics",
@@ -262,6 +264,9 @@ def build_app(args: argparse.Namespace) -> Any:
     )
     if os.path.isdir(os.path.expanduser(args.model)) and not args.served_model_name:
         settings.served_model_names = [args.model, os.path.basename(os.path.normpath(args.model))]
+    tls = TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
+    if args.grpc_tls_server_name and tls is None:
+        raise ValueError("--grpc-tls-server-name needs mTLS (--grpc-tls-cert/-key/-ca)")
     metrics = RouterMetrics()
     pools = [
         InstancePool(
@@ -272,6 +277,8 @@ def build_app(args: argparse.Namespace) -> Any:
             health_interval=args.health_interval,
             check_timeout=args.health_timeout,
             grpc_token=args.grpc_token,
+            tls=tls,
+            tls_server_name=args.grpc_tls_server_name,
         )
         for role in ("prefill", "decode")
     ]

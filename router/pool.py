@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_tls import TlsFiles, channel_options
 from common.grpc_token import call_metadata
 from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.metrics import RouterMetrics
@@ -104,6 +105,8 @@ class InstancePool:
         check_timeout: float = 1.0,
         prefix_index_blocks: int = 16384,
         grpc_token: str = "",
+        tls: TlsFiles | None = None,
+        tls_server_name: str = "",
     ) -> None:
         if name not in ("prefill", "decode"):
             raise ValueError(f"pool name must be 'prefill' or 'decode', got {name!r}")
@@ -115,6 +118,11 @@ class InstancePool:
         self.health_interval = health_interval
         self.check_timeout = check_timeout
         self.call_metadata = call_metadata(grpc_token)
+        # mTLS (docs/design.md §3, "Control-plane security"): one set of credentials for
+        # every instance; the name checked in their certificates is the dialed host unless
+        # ``tls_server_name`` overrides it.
+        self._credentials = tls.channel_credentials() if tls is not None else None
+        self._channel_options = CHANNEL_OPTIONS + channel_options(tls_server_name)
         self.prefix_index = PrefixIndex(prefix_index_blocks)
         self.policy: Policy = make_policy(policy, self.prefix_index)
         self._instances: dict[str, Instance] = {}
@@ -164,7 +172,11 @@ class InstancePool:
         await asyncio.gather(*(self._check(inst) for inst in list(self._instances.values())))
 
     def _add(self, url: str) -> None:
-        channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
+        channel = (
+            grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
+            if self._credentials is None
+            else grpc.aio.secure_channel(url, self._credentials, options=self._channel_options)
+        )
         stub_cls = (
             pdserve_pb2_grpc.PrefillServiceStub
             if self.name == "prefill"
