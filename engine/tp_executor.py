@@ -43,7 +43,7 @@ from engine.executor import ExecutorFailure
 from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
-from engine.step_wire import OP_SHUTDOWN, Header, pack
+from engine.step_wire import OP_KV, OP_SHUTDOWN, Header, pack
 from engine.tp_group import TPError, TPGroup, startup_timeout, timedelta
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,31 @@ def device_for_rank(device: str, rank: int) -> str:
         return device
     base = int(device.partition(":")[2] or 0)
     return f"cuda:{base + rank}"
+
+
+def check_gpus(device: str, size: int, available: int) -> None:
+    """``ValueError`` unless GPUs ``base .. base + size - 1`` of ``device`` (``cuda`` or
+    ``cuda:base``) are among the ``available`` visible ones: one GPU per rank, never two
+    ranks on one GPU (NCCL refuses that, and the shards would not fit anyway)."""
+    base = int(device.partition(":")[2] or 0)
+    if base + size <= available:
+        return
+    if available == 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} on {device} needs {size} GPUs, but no GPU is "
+            "visible (check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'"
+        )
+    if base >= available:
+        raise ValueError(
+            f"{device} does not exist: {available} GPU(s) are visible (0..{available - 1})"
+        )
+    fits = available - base
+    raise ValueError(
+        f"tensor_parallel_size {size} on {device} needs GPUs {base}..{base + size - 1}, but "
+        f"only {available} are visible (0..{available - 1}): use tensor_parallel_size <= "
+        f"{fits} from {device}, a lower starting GPU, or make more GPUs visible "
+        "(CUDA_VISIBLE_DEVICES)"
+    )
 
 
 @dataclass(slots=True)
@@ -112,14 +137,8 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig, args: ModelArgs, max_model_len: int) -> None:
         size = config.tensor_parallel_size
-        if config.device != "cpu":
-            base = int(config.device.partition(":")[2] or 0)
-            have = torch.cuda.device_count()
-            if base + size > have:
-                raise ValueError(
-                    f"tensor_parallel_size {size} needs {size} GPUs from {config.device}; "
-                    f"this machine has {have}"
-                )
+        if config.device != "cpu":  # before any process starts
+            check_gpus(config.device, size, torch.cuda.device_count())
         self.size = size
         self.timeout_s = config.distributed_timeout
         self.stats = BroadcastStats()
@@ -239,6 +258,28 @@ class MultiprocExecutor:
         except _FAILURES as e:
             self._failed = self._error(e, "step")
             logger.error("%s", self._failed)
+            self._teardown(grace_s=0.0)
+            raise self._failed from e
+
+    @property
+    def store_port(self) -> int:
+        """The private store's loopback port (the KV results of the workers: ``engine/tp_kv.py``)."""
+        return int(self._store.port)
+
+    def send_kv(self, payload: bytes) -> None:
+        """Hand a KV-connector message to every worker, in order with the steps."""
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel executor is shut down")
+        message = Header(OP_KV, num_ids=len(payload)).encode() + payload
+        try:
+            self._check_workers()
+            for p in self._procs:
+                assert p.stdin is not None
+                p.stdin.write(message)
+        except _FAILURES as e:
+            self._failed = self._error(e, "KV message")
             self._teardown(grace_s=0.0)
             raise self._failed from e
 

@@ -2,8 +2,10 @@
 tokens as N = 1 and as transformers (float32), also with fewer KV heads than ranks (KV heads
 replicated), a tied, vocab-parallel LM head over a vocabulary that does not split evenly,
 chunked prefill, prefix caching, async scheduling and seeded sampling; a worker that dies or
-hangs fails the next step with a clear error within its deadline, and no worker outlives
-its engine."""
+hangs fails the next step with a clear error within its deadline (also through ``LLM``), no
+worker outlives its engine, and a size the model or the visible GPUs cannot hold is refused
+before any process starts. Guided and speculative decoding and prefix-cache hits under
+N = 2: ``test_tensor_parallel_features.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tp_executor import MultiprocExecutor, TensorParallelError
@@ -208,6 +212,73 @@ def test_shutdown_and_a_dead_engine_leave_no_workers(tiny_model_dir: Path) -> No
         proc.kill()
         proc.wait()
     assert _wait_gone(orphans, 10) == []
+
+
+@pytest.mark.timeout(120)  # the guard: a dead rank must fail generate(), never hang it
+def test_llm_api_with_a_rank_killed_mid_generate_raises_and_leaves_no_process(
+    tiny_model_dir: Path,
+) -> None:
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=128)
+    executor = llm.engine.executor
+    assert isinstance(executor, MultiprocExecutor)
+    pids = executor.worker_pids
+    killed = threading.Event()
+
+    def kill_once_running() -> None:  # mid-generate: after a few steps of a long run
+        deadline = time.monotonic() + 60
+        while executor.stats.steps < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(pids[0], signal.SIGKILL)
+        killed.set()
+
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    killer = threading.Thread(target=kill_once_running, daemon=True)
+    try:
+        killer.start()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with signal"):
+            llm.generate([[5, 6, 7], [8, 9]], params)
+        assert killed.is_set() and 5 <= executor.stats.steps < 400
+        # The failed step already stopped every worker, before any shutdown() call ...
+        assert _wait_gone(pids, 5) == []
+        with pytest.raises(TensorParallelError):  # ... and the instance stays down
+            llm.generate([[5, 6, 7]], params)
+    finally:
+        llm.shutdown()
+        killer.join(5)
+    assert _worker_children() == []
+
+
+def _worker_children() -> list[int]:
+    """Live tensor-parallel worker processes whose parent is this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"engine.tp_worker" in cmdline and _alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def test_more_gpus_than_visible_are_refused_before_any_process_starts(
+    tiny_model_dir: Path,
+) -> None:
+    import torch
+
+    size = 2  # a power of two the visible GPUs cannot hold, on any machine
+    while size <= torch.cuda.device_count():
+        size *= 2
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {size} on cuda needs"):
+        LLM(
+            str(tiny_model_dir),
+            device="cuda",
+            tensor_parallel_size=size,
+            hf_overrides={"num_attention_heads": max(4, size), "num_key_value_heads": 1},
+        )
+    assert _worker_children() == []
 
 
 def test_tensor_parallel_size_that_does_not_fit_is_refused(tiny_model_dir: Path) -> None:

@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.model_fixtures import make_tiny_llama
 
-SCHEMA = {
+SCHEMA: dict[str, object] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 8},
