@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import torch
@@ -174,6 +175,8 @@ class BlockStoreConnector(AsyncConnectorBase):
             res.ok, res.error, res.failure_reason = False, str(e), e.reason
         except (TransferDeadline, FutureTimeout):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
+        finally:
+            self._settle(t, futures)
         self.counters.record_save(res.num_saved_blocks, res.bytes_moved, skipped)
         return res
 
@@ -228,7 +231,8 @@ class BlockStoreConnector(AsyncConnectorBase):
             (b, min(b + self.batch_blocks, len(idx))) for b in range(0, len(idx), self.batch_blocks)
         ]
         # Batches load concurrently; blocks after a failed one may land in the cache too,
-        # which is harmless: only the leading ``num_loaded_blocks`` are reported as loaded.
+        # which is harmless: only the leading ``num_loaded_blocks`` are reported as loaded,
+        # and the result waits for every batch (``_settle``), so nothing lands later.
         futures = [
             self._io.submit(self._load_batch, t, idx[a:b], keys[a:b], deadline) for a, b in spans
         ]
@@ -245,10 +249,29 @@ class BlockStoreConnector(AsyncConnectorBase):
         except (TransferDeadline, FutureTimeout):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         finally:
-            for fut in futures:
-                fut.cancel()
+            self._settle(t, futures)
         self.counters.record_load(res.num_loaded_blocks, res.bytes_moved)
         return res
+
+    def _settle(self, t: KVTransfer, futures: Sequence[Future[Any]]) -> None:
+        """Cancel the batches not started and wait for the running ones: a batch reads or
+        writes the transfer's cache blocks, and once the result is out the engine
+        recomputes into them (after a failed load) or frees them for other requests
+        (docs/design.md §3, "loaded blocks join the prefix cache only once verified"). A
+        late load would overwrite recomputed KV with unverified bytes; a late save would
+        seal another request's KV under this key. Each batch is bounded by its backend's
+        I/O timeouts; the wait is bounded by one more transfer timeout."""
+        for fut in futures:
+            fut.cancel()
+        _, running = wait(futures, timeout=self.transfer_timeout_s)
+        if running:
+            logger.error(
+                "KV transfer %s: %d batch(es) still running after %.0f s more; their cache "
+                "blocks may change after the result",
+                t.request_id,
+                len(running),
+                self.transfer_timeout_s,
+            )
 
     def _load_batch(
         self, t: KVTransfer, idx: list[int], keys: list[str], deadline: Deadline

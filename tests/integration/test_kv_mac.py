@@ -6,6 +6,7 @@ the secret the same forgeries load, which is what the secret is for."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,50 @@ def test_version_2_record_is_refused_explicitly_and_deleted(make: Any) -> None:
     assert not r.ok and r.failure_reason == "corrupt" and r.num_loaded_blocks == 1, r
     assert "record version 2 is not supported" in (r.error or ""), r.error
     assert a.backend.exists([victim]) == [False]
+
+
+class _HeldFs(FsBackend):
+    """The fs store whose read of ``held`` waits for ``release`` first (at most 5 s): a
+    batch still reading after another batch of the same load already failed."""
+
+    def __init__(self, root: Path, held: str, release: threading.Event) -> None:
+        super().__init__(root)
+        self.held, self.release = held, release
+
+    def get_into(self, key: str, parts: Any) -> int | None:
+        if key == self.held:
+            self.release.wait(5.0)
+        return super().get_into(key, parts)
+
+
+def test_failed_load_result_waits_for_every_batch(tmp_path: Path) -> None:
+    """Loaded blocks join the prefix cache only once verified (docs/design.md §3): after a
+    failed load the engine recomputes every block past ``num_loaded_blocks`` into the
+    same cache blocks. A batch still reading then would overwrite recomputed KV with the
+    unverified bytes of a forged record; so the result comes only after every batch."""
+    lay = layout()
+    src = random_cache(lay, 8, seed=8)
+    tokens = prompt(8, 2 * 16)
+    a = BlockStoreConnector(FsBackend(tmp_path / "store"), mac=RecordMac(SECRET))
+    a.bind_kv_cache(src, lay, FP)
+    a.start_save(transfer("s", tokens, [0, 1]))
+    assert one(a).ok
+    for i in range(2):  # both records forged: garbage KV, valid checksum, no MAC
+        key = _key(tokens, 2, i)
+        a.backend.put([(key, _forge(bytes(a.backend.get([key])[0]), bytes(16)))])
+    a.close()
+
+    release = threading.Event()
+    dst = torch.zeros_like(src)
+    held = _HeldFs(tmp_path / "store", _key(tokens, 2, 1), release)
+    b = BlockStoreConnector(held, batch_blocks=1, io_threads=2, mac=RecordMac(SECRET))
+    b.bind_kv_cache(dst, lay, FP)
+    try:
+        b.start_load(transfer("l", tokens, [4, 5]))
+        r = one(b)
+        assert not r.ok and r.failure_reason == "mac" and r.num_loaded_blocks == 0, r
+        dst[:, :, 4:6] = src[:, :, 0:2]  # what the engine's recompute writes
+        release.set()
+    finally:
+        b.close()  # waits for the I/O threads: a late read would have landed by now
+    assert torch.equal(dst[:, :, 4:6], src[:, :, 0:2])
