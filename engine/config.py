@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.spec_decode.config import SpeculativeConfig, parse_speculative
+
+if TYPE_CHECKING:
+    from engine.models.fp8_loader import Fp8Scheme
 
 KV_LAYOUT_VERSION = 1
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,6 +57,9 @@ class EngineConfig:
     # Seconds a collective between tensor-parallel ranks (or a rank's start-up) may take
     # before the step fails: a rank that died or hangs fails the engine instead of hanging it.
     distributed_timeout: float = 300.0
+    # "fp8": e4m3 decoder projections quantized at load (engine/models/fp8.py). An FP8
+    # (compressed-tensors) checkpoint is FP8 with or without it.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,11 +112,18 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
+        self.quantization_scheme()  # raises ValueError naming what is supported
         if self.tensor_parallel_size > 1:
             from engine.models.config import ModelArgs
             from engine.models.parallel import check_tensor_parallel
 
             check_tensor_parallel(ModelArgs.from_hf(self.hf_config()), self.tensor_parallel_size)
+
+    def quantization_scheme(self) -> Fp8Scheme | None:
+        """The FP8 scheme from ``quantization`` and the checkpoint's config (None: none)."""
+        from engine.models.fp8_loader import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config())
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The parsed ``speculative`` setting (None when off)."""

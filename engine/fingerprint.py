@@ -24,6 +24,9 @@ def model_fingerprint(config: EngineConfig) -> str:
         # Each rank's cache holds only its KV heads: blocks of another split are not
         # interchangeable, so a handle from it must not match (N = 1 keeps its old value).
         h.update(f"tp{config.tensor_parallel_size}|".encode())
+    if config.quantization:
+        # Weights quantized at load compute other KV than the checkpoint's own precision.
+        h.update(f"q:{config.quantization}|".encode())
     if config.load_format == "dummy":
         h.update(f"dummy:{config.seed}".encode())
     else:

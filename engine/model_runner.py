@@ -61,6 +61,7 @@ class ModelRunner:
             config.seed,
             fused_ops=config.fused_ops,
             tp=self.tp if self.tp.size > 1 else None,
+            quantization=config.quantization_scheme(),
         )
         self.num_blocks = self._size_kv_cache()
         if self.tp.size > 1:

@@ -89,6 +89,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         {"default": None, "help": "attention backend (engine default if unset)"},
         True,
     ),
+    (
+        "--quantization",
+        {
+            "default": None,
+            "choices": ["fp8"],
+            "help": "fp8 = e4m3 weights quantized at load (docs/quantization.md); unset = "
+            "the checkpoint's own (an FP8 checkpoint loads as FP8 either way)",
+        },
+        True,
+    ),
     ("--seed", {"type": int, "default": 0, "help": "engine seed"}, False),
     ("--speculative", {"default": None, "help": SPECULATIVE_HELP}, False),
     (
@@ -232,6 +242,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kwargs["attention_backend"] = args.attention_backend
     if getattr(args, "speculative", None):
         kwargs["speculative"] = args.speculative
+    if getattr(args, "quantization", None):
+        kwargs["quantization"] = args.quantization
     if getattr(args, "kv_load_failure", None):
         kwargs["kv_load_failure"] = args.kv_load_failure
     return EngineConfig(**kwargs)

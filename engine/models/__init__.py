@@ -10,6 +10,14 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from engine.models.fp8 import (
+    Fp8Linear,
+    cast_unquantized,
+    empty_fp8_projections,
+    fp8_checkpoint_tensors,
+    quantize_projections,
+)
+from engine.models.fp8_loader import Fp8Scheme
 from engine.models.layer_ops import get_layer_ops
 from engine.models.llama import LlamaForCausalLM
 from engine.tp_group import TPGroup
@@ -32,9 +40,12 @@ def build_model(
     seed: int = 0,
     fused_ops: bool = False,
     tp: TPGroup | None = None,
+    quantization: Fp8Scheme | None = None,
 ) -> LlamaForCausalLM:
     """``fused_ops``: Triton kernels for the element-wise work on CUDA (layer_ops.py).
-    ``tp``: build and load only this rank's shard (engine/models/parallel.py)."""
+    ``tp``: build and load only this rank's shard (engine/models/parallel.py).
+    ``quantization``: FP8 decoder projections (engine/models/fp8.py), loaded from an FP8
+    checkpoint or quantized here from the loaded (or dummy) weights."""
     cls = _REGISTRY[args.architecture]
     ops = get_layer_ops(device, fused_ops)
     with torch.device(device):
@@ -42,9 +53,17 @@ def build_model(
     if load_format == "dummy":
         # Each rank draws its own shard's values (random either way: shapes set the speed).
         _init_dummy(model, seed + (tp.rank if tp is not None else 0))
+    elif quantization is not None and quantization.from_checkpoint:
+        empty_fp8_projections(model, ops)
+        model.load_weights(fp8_checkpoint_tensors(_iter_safetensors(model_dir), args))
     else:
         model.load_weights(_iter_safetensors(model_dir))
-    model.to(dtype=dtype)
+    if quantization is None:
+        model.to(dtype=dtype)
+    else:
+        if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+            quantize_projections(model, ops)  # from the checkpoint's own precision
+        cast_unquantized(model, dtype)
     # Rope tables stay float32 for accuracy; they are cast per use.
     model.rope.cos = model.rope.cos.float()
     model.rope.sin = model.rope.sin.float()

@@ -14,15 +14,19 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
+from engine.models.fp8 import Fp8Linear
 from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.parallel import Shard, VocabParallelEmbedding, gather_logits
 from engine.models.rope import RotaryEmbedding
 from engine.tp_group import TPGroup
 
 
-def _project(ops: LayerOps, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _project(ops: LayerOps, proj: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)`` computed by ``ops`` (a one-launch GEMV at decode batch sizes on a GPU);
-    the ``nn.Linear`` only holds the parameters, so weight loading is unchanged."""
+    the ``nn.Linear`` only holds the parameters, so weight loading is unchanged. An
+    ``Fp8Linear`` (quantized model, engine/models/fp8.py) picks its own FP8 path."""
+    if isinstance(proj, Fp8Linear):
+        return proj(x)
     return ops.linear(x, proj.weight, proj.bias)
 
 

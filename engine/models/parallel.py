@@ -103,6 +103,10 @@ class Shard:
         if ".gate_proj." in name or ".up_proj." in name:
             i = self.intermediate_size
             return _rows(tensor, self.rank * i, i)
+        if name.endswith(".weight_scale"):
+            # FP8 per-channel scales (engine/models/fp8.py) follow the output channels:
+            # o/down keep all of theirs, a column-parallel projection its rows.
+            return tensor
         if ".o_proj." in name:
             q = self.num_heads * hd
             return tensor[:, self.rank * q : (self.rank + 1) * q]

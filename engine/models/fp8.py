@@ -1,0 +1,204 @@
+"""FP8 (e4m3) weights for the decoder projections (docs/quantization.md).
+
+Layout (one for both sources, ``fp8_loader.py``): each of qkv, o, gate|up and down is an
+``Fp8Linear`` holding ``weight`` ``[N, K]`` float8_e4m3fn and ``weight_scale`` ``[N]``
+float32 (one scale per output channel: ``W ≈ weight * weight_scale[:, None]``), and its
+bias in the model dtype. The embedding, the norms and ``lm_head`` stay in the model dtype:
+the logits are where a small error is most visible and ``lm_head`` is a small share of an
+8B model's bytes. Under tensor parallelism each rank quantizes (or loads) its own shard, so
+the scales shard with their output channels (docs/design.md §9).
+
+How a projection runs (``fp8_linear``):
+* CUDA, 1-4 rows, Triton layer ops: one Triton GEMV over the FP8 weights, activations in
+  the model dtype, the scale applied per output (``triton_fp8_gemv.py``).
+* CUDA otherwise: activations quantized per token (dynamic, one float32 scale per row),
+  then ``torch._scaled_mm`` with row-wise scales (``scale_a`` ``[M, 1]``, ``scale_b``
+  ``[1, N]``) on the FP8 tensor cores.
+* CPU (the reference, and where the tests run): the same per-token activation
+  quantization, then a float32 matmul of the exact e4m3 values with the scales applied
+  after, i.e. what ``_scaled_mm`` computes, up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.models.config import ModelArgs
+from engine.models.fp8_loader import full_rows
+from engine.models.layer_ops import LayerOps, TorchOps
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# Floor of a scale: an all-zero row (or token) would otherwise divide by zero.
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+_GEMV_ROWS = 4  # triton_fp8_gemv.MAX_ROWS, without importing triton on the CPU
+_PROJECTIONS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row e4m3 of a 2-D ``t``: ``(q, scale)`` with ``q`` float8_e4m3fn and
+    ``scale`` ``[rows]`` float32 such that ``t ≈ q * scale[:, None]``; each row's largest
+    magnitude maps to 448. Rows are output channels for weights, tokens for activations."""
+    t32 = t.float()
+    scale = (t32.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (t32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """``x @ W.T + b`` with ``W`` stored as e4m3 and per-output-channel scales (see the
+    module docstring). ``ops`` is the model's layer ops: the Triton ones enable the GEMV."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: torch.Tensor | None, ops: LayerOps
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=FP8), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.ones(out_features, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.ops = ops
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear, ops: LayerOps) -> Fp8Linear:
+        """An ``Fp8Linear`` holding ``linear``'s weight quantized per output channel."""
+        out = cls(linear.in_features, linear.out_features, linear.bias, ops)
+        with torch.no_grad():
+            q, scale = quantize_rows(linear.weight)
+            out.weight.data = q
+            out.weight_scale.data = scale
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = self.ops.name == "triton" and getattr(self.ops, "use_gemv", False)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemv=gemv)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fp8"
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemv: bool = False,
+) -> torch.Tensor:
+    """``x [..., K] @ (weight * scale[:, None]).T (+ bias)`` in ``x``'s dtype, by the path
+    the module docstring names; ``gemv`` allows the Triton GEMV at 1-4 rows on CUDA."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the FP8 weight {tuple(weight.shape)}")
+    rows = x.reshape(-1, k)
+    if rows.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    if gemv and rows.is_cuda and rows.shape[0] <= _GEMV_ROWS:
+        from engine.models.triton_fp8_gemv import fp8_gemv_problem, launch_fp8_gemv
+
+        if fp8_gemv_problem(rows, weight, scale, bias) is None:
+            return launch_fp8_gemv(rows, weight, scale, bias).view(*x.shape[:-1], n)
+    if rows.is_cuda and k % 16 == 0 and n % 16 == 0:
+        y = _scaled_mm(rows, weight, scale)
+    else:
+        y = _reference_mm(rows, weight, scale)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 on the FP8 tensor cores; row-wise scaling writes bf16 (cast by the caller)."""
+    xq, x_scale = quantize_rows(rows)
+    return torch._scaled_mm(
+        xq,
+        weight.t(),  # [K, N] column-major, as cuBLASLt wants the second operand
+        scale_a=x_scale.unsqueeze(1),
+        scale_b=scale.unsqueeze(0),
+        out_dtype=torch.bfloat16,
+    )
+
+
+def _reference_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What ``_scaled_mm`` computes, in float32 on any device (the CPU path)."""
+    xq, x_scale = quantize_rows(rows)
+    y = torch.nn.functional.linear(xq.float() * x_scale.unsqueeze(1), weight.float())
+    return y * scale
+
+
+def _projection_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """(parent module, attribute) of every decoder projection of a LlamaForCausalLM."""
+    for layer in model.layers:  # type: ignore[union-attr]
+        for part, attr in _PROJECTIONS:
+            yield getattr(layer, part), attr
+
+
+def quantize_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
+    """Replace every decoder projection's ``nn.Linear`` by its per-channel FP8 quantization
+    (``quantization="fp8"`` on an unquantized checkpoint); frees the originals."""
+    for parent, attr in _projection_slots(model):
+        linear = getattr(parent, attr)
+        setattr(parent, attr, Fp8Linear.quantized(linear, ops))
+
+
+def empty_fp8_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
+    """Replace every decoder projection by an ``Fp8Linear`` of its shape for an FP8
+    checkpoint to load into (zero weights, unit scales, the bias parameter kept)."""
+    for parent, attr in _projection_slots(model):
+        linear = getattr(parent, attr)
+        with torch.device(linear.weight.device):
+            fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias, ops)
+        setattr(parent, attr, fp8)
+
+
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` that leaves FP8 weights and their float32 scales alone
+    (``Module.to`` would cast them: float8 counts as a floating-point dtype)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(dtype)
+            continue
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+
+
+def fp8_checkpoint_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]], args: ModelArgs
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A compressed-tensors FP8 checkpoint's tensors in this engine's layout: every
+    ``weight_scale`` as ``[output channels]`` float32 (a per-tensor scale repeated over its
+    rows), ``input_scale`` tensors skipped (activations are scaled per token at run time).
+    ``ValueError`` for a projection weight that is not e4m3 or a scale of the wrong size."""
+    for name, tensor in weights:
+        if name.endswith(".input_scale"):
+            continue
+        rows = full_rows(name, args)
+        if rows is None:
+            yield name, tensor
+            continue
+        if name.endswith(".weight_scale"):
+            scale = tensor.float().reshape(-1)
+            if scale.numel() == 1:
+                scale = scale.expand(rows)
+            elif scale.numel() != rows:
+                raise ValueError(
+                    f"{name}: {scale.numel()} scales for {rows} output channels (need one "
+                    "per channel or one per tensor)"
+                )
+            yield name, scale.contiguous()
+        elif name.endswith(".weight") and tensor.dtype != FP8:
+            raise ValueError(f"{name} is {tensor.dtype} in an FP8 checkpoint; need float8_e4m3fn")
+        else:
+            yield name, tensor
