@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 KV_LAYOUT_VERSION = 1
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,9 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    # KV cache storage: "auto" = the model dtype, "fp8" = float8_e4m3fn with per-tensor
+    # scales (engine/attention/kv_quant.py; docs/design.md §3 "KV cache dtype").
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config)
     block_size: int = 16
@@ -78,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -142,6 +150,12 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The torch dtype name the paged KV cache stores (what KV records and handles
+        carry as ``dtype``): the model dtype, or ``float8_e4m3fn`` for ``fp8``."""
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else self.torch_dtype_name
 
     def hf_config(self) -> dict[str, Any]:
         """The model directory's config.json with ``hf_overrides`` applied."""

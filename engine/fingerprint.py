@@ -20,6 +20,10 @@ def model_fingerprint(config: EngineConfig) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(config.hf_config(), sort_keys=True, default=str).encode())
     h.update(f"|{config.torch_dtype_name}|{config.block_size}|v{KV_LAYOUT_VERSION}|".encode())
+    if config.kv_cache_dtype != "auto":
+        # An fp8 cache's blocks are other bytes than the model dtype's: their store keys
+        # must differ (auto keeps its old value, so existing records stay valid).
+        h.update(f"kv:{config.kv_cache_dtype_name}|".encode())
     if config.tensor_parallel_size > 1:
         # Each rank's cache holds only its KV heads: blocks of another split are not
         # interchangeable, so a handle from it must not match (N = 1 keeps its old value).

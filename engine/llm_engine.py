@@ -69,7 +69,7 @@ class LLMEngine:
         self.model_fingerprint = model_fingerprint(config)
         self.kv_layout = KvLayout(
             KV_LAYOUT_VERSION,
-            config.torch_dtype_name,
+            config.kv_cache_dtype_name,  # records and handles carry the KV storage dtype
             config.block_size,
             self.args.num_layers,
             self.args.num_kv_heads,

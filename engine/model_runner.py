@@ -18,6 +18,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.attention.base import AttentionMetadata
+from engine.attention.kv_quant import FP8_DTYPE
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.models import ModelArgs, build_model
@@ -47,6 +48,9 @@ class ModelRunner:
         self.num_kv_heads = Shard(args, self.tp.rank, self.tp.size).num_kv_heads
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.torch_dtype_name]
+        # The paged cache's storage dtype: the model dtype, or float8 e4m3 for
+        # kv_cache_dtype "fp8" (engine/attention/kv_quant.py); blocks are sized by it.
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = get_backend(config.attention_backend, config.device)
@@ -76,17 +80,18 @@ class ModelRunner:
                 self.num_kv_heads,
                 args.head_dim,
             ),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self._inputs = InputBuilder(self.device, self.block_size, self.max_blocks_per_req)
         self.graphs = self._capture_decode_graphs()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s), attention backend %s",
             self.num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
             self.backend.name,
         )
 
@@ -118,7 +123,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         a = self.args
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * a.head_dim * elem * a.num_layers
 
     def _size_kv_cache(self) -> int:
@@ -151,7 +156,7 @@ class ModelRunner:
                 self.num_kv_heads,
                 self.args.head_dim,
             ),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)

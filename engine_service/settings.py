@@ -50,6 +50,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         True,
     ),
     (
+        "--kv-cache-dtype",
+        {
+            "default": "auto",
+            "choices": ["auto", "fp8"],
+            "help": "KV cache storage: auto = the model dtype, fp8 = float8 e4m3 (half the bytes)",
+        },
+        True,
+    ),
+    (
         "--load-format",
         {
             "default": "auto",
@@ -225,6 +234,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     kwargs: dict[str, Any] = {
         "model": resolve_model(args.model),
         "dtype": args.dtype,
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or "auto",
         "device": args.device,
         "load_format": args.load_format,
         "block_size": args.block_size,

@@ -51,7 +51,7 @@ class KvLayout:
     """What a reader must agree on to interpret a block record."""
 
     version: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the cache's storage dtype: float32 | bfloat16 | float16 | float8_e4m3fn
     block_size: int
     num_layers: int
     num_kv_heads: int

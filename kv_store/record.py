@@ -23,7 +23,9 @@ checksum, as before the MAC existed.
 
 ``block_tokens`` is the number of tokens actually stored, so a partial tail block is a
 shorter record. Encoding makes exactly one copy (cache view → record buffer); decoding is a
-view over the record's bytes. bfloat16 has no numpy dtype, so bytes move as int16.
+view over the record's bytes. bfloat16 and float8 have no numpy dtype, so bytes move as
+int16 / int8. The dtype code (1 float32, 2 float16, 3 bfloat16, 4 float8_e4m3fn) is the
+cache's storage dtype, so a record of an fp8 cache is refused by a bfloat16 reader.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ _DTYPES: dict[str, tuple[int, torch.dtype, torch.dtype]] = {
     "float32": (1, torch.float32, torch.int32),
     "float16": (2, torch.float16, torch.int16),
     "bfloat16": (3, torch.bfloat16, torch.int16),
+    # An fp8 KV cache (kv_cache_dtype "fp8"): half a bfloat16 record's payload. Its scale is
+    # fixed at 1.0 (engine/attention/kv_quant.py), so the header needs no scale field.
+    "float8_e4m3fn": (4, torch.float8_e4m3fn, torch.int8),
 }
 _CODE_TO_NAME = {code: name for name, (code, _, _) in _DTYPES.items()}
 

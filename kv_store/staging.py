@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 import torch
 
+from engine.attention.kv_quant import byte_view
 from kv_store.record import cache_numpy
 
 
@@ -45,7 +46,8 @@ class Staging:
 
     def gather(self, kv: torch.Tensor, block_ids: list[int]) -> np.ndarray:
         """Copy the blocks ``block_ids`` of ``kv`` into the buffer (slots 0, 1, ...)."""
-        view = self._view(len(block_ids))
+        # fp8 caches move as bytes: torch's CPU build has no float8 index_copy_.
+        view, kv = byte_view(self._view(len(block_ids))), byte_view(kv)
         with self._on_stream():
             ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
             view.copy_(kv.index_select(2, ids), non_blocking=True)
@@ -59,7 +61,7 @@ class Staging:
         """Copy slot j of the buffer as last filled for ``slots`` blocks (``host(slots)``:
         the layout depends on the count) into block ``targets[j][0]`` of ``kv``, its first
         ``targets[j][1]`` tokens only (a partial block leaves the rest untouched)."""
-        view = self._view(slots)
+        view, kv = byte_view(self._view(slots)), byte_view(kv)
         with self._on_stream():
             src = view.to(kv.device, non_blocking=True)
             full = [j for j, (_, n) in enumerate(targets) if n == block_size]

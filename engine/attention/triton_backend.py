@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.kv_quant import DEFAULT_SCALE, is_fp8
 from engine.attention.triton_kernels import (
     _merge_splits_kernel,
     _paged_attn_kernel,
@@ -107,9 +108,15 @@ def _check_device(t: torch.Tensor) -> None:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = DEFAULT_SCALE,
+    v_scale: float = DEFAULT_SCALE,
 ) -> None:
-    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
+    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip);
+    an fp8 cache is quantized with ``k_scale``/``v_scale`` (engine/attention/kv_quant.py)."""
     num_tokens, kv_heads, head_dim = key.shape
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (kv_heads, head_dim):
         raise ValueError(
@@ -131,8 +138,11 @@ def write_kv_cache(
         key.stride(0),
         value.stride(0),
         kv_cache.stride(0),
+        k_scale,
+        v_scale,
         ROW=row,
         ROW_P2=_pow2(row),
+        QUANT=is_fp8(kv_cache.dtype),
     )
 
 
@@ -144,8 +154,11 @@ def paged_attention(
     *,
     num_sms: int | None,
     config: LaunchConfig | None = None,
+    k_scale: float = DEFAULT_SCALE,
+    v_scale: float = DEFAULT_SCALE,
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context."""
+    """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context
+    (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -182,6 +195,7 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
     bt = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
+    kv_fp8 = is_fp8(kv_cache.dtype)
     _paged_attn_kernel[(grid0, num_kv_heads, cfg.num_splits)](
         query,
         kv_cache[0],
@@ -192,7 +206,8 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         bt,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E if kv_fp8 else scale * _LOG2E,
+        v_scale,
         meta.num_reqs,
         query.stride(0),
         query.stride(1),
@@ -211,6 +226,7 @@ def paged_attention(
         DECODE_ONLY=cfg.decode_only,
         IEEE=query.dtype == torch.float32,
         UPCAST=query.device.type == "cpu" and query.dtype != torch.float32,
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -257,10 +273,18 @@ def _validate(query: torch.Tensor, num_kv_heads: int, kv_cache: torch.Tensor) ->
     head_dim = query.shape[2]
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
+    if query.dtype not in _DTYPES or not (kv_cache.dtype == query.dtype or is_fp8(kv_cache.dtype)):
         raise ValueError(
-            f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES})"
+            f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES}, "
+            "and a cache of the same dtype or float8_e4m3fn)"
         )
+    if is_fp8(kv_cache.dtype) and query.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(query.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype 'fp8' needs a GPU with float8 support (compute capability "
+                f">= 8.9, this one is {major}.{minor}); use kv_cache_dtype 'auto'"
+            )
     if query.shape[1] % num_kv_heads:
         raise ValueError(
             f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}"
@@ -276,8 +300,10 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     accepts_prewritten_kv = True
 
-    def __init__(self) -> None:
+    def __init__(self, k_scale: float = DEFAULT_SCALE, v_scale: float = DEFAULT_SCALE) -> None:
+        """``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (kv_quant.py)."""
         self._num_sms: dict[int, int] = {}
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def _sms(self, device: torch.device) -> int | None:
         if device.type != "cuda":
@@ -297,8 +323,11 @@ class TritonAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         validate_inputs(query, key, kv_cache)
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta, scale, num_sms=self._sms(query.device))
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return paged_attention(
+            query, kv_cache, meta, scale, num_sms=self._sms(query.device),
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
 
     def forward_prewritten(
         self,
@@ -308,4 +337,7 @@ class TritonAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         validate_prewritten(query, kv_cache)
-        return paged_attention(query, kv_cache, meta, scale, num_sms=self._sms(query.device))
+        return paged_attention(
+            query, kv_cache, meta, scale, num_sms=self._sms(query.device),
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip

@@ -13,12 +13,40 @@ requests by a binary search over ``query_start_loc`` (varlen: prefill, chunked p
 prefix hits and decodes in one launch). With ``NUM_SPLITS > 1`` the KV range is cut into
 splits whose partial results (normalised output + log-sum-exp) a reduce kernel merges:
 that keeps the GPU busy when few long-context decodes are running.
+
+An fp8 cache (``KV_FP8``, engine/attention/kv_quant.py) holds float8 e4m3 K/V with
+per-tensor scales: the write quantizes (``QUANT``), the attention converts each K/V tile
+to the model dtype as it loads it and folds the scales into the arithmetic — ``k_scale``
+into the softmax scale by the caller, ``v_scale`` into the normalised output — so the inner
+loop multiplies nothing extra.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """float32 ``x / scale`` rounded to the nearest float8 e4m3fn value (ties to even),
+    saturating at ±448, still as float32: its cast to fp8 is then exact. Rounding here
+    rather than in the cast keeps the bytes identical to torch's ``.to(float8_e4m3fn)`` on
+    every device, Triton's interpreter included (its float8 downcast mis-rounds carries
+    into the exponent and subnormals). NaN stays NaN."""
+    y = x / scale
+    a = tl.minimum(tl.abs(y), 448.0)
+    # Normal range (>= 2**-6): keep 3 mantissa bits, ties to even; a carry correctly
+    # bumps the exponent.
+    mag = a.to(tl.int32, bitcast=True)
+    mag = (mag + 0x7FFFF + ((mag >> 20) & 1)) & ~0xFFFFF
+    normal = mag.to(tl.float32, bitcast=True)
+    # Subnormals are multiples of 2**-9: float32 addition at 1.5 * 2**14 (ulp 2**-9)
+    # rounds to one, to nearest even.
+    sub = (a + 24576.0) - 24576.0
+    r = tl.where(a < 0.015625, sub, normal).to(tl.int32, bitcast=True)
+    r = (r | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, r)
 
 
 @triton.jit
@@ -30,8 +58,11 @@ def _write_kv_kernel(
     stride_kt,
     stride_vt,
     kv_half,  # elements between the K and the V half of the layer cache
+    k_scale,  # QUANT only: the fp8 cache's per-tensor scales
+    v_scale,
     ROW: tl.constexpr,  # kv_heads * head_dim
     ROW_P2: tl.constexpr,
+    QUANT: tl.constexpr,  # fp8 cache: x / scale, clamped to e4m3's ±448, rounded
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -42,6 +73,9 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + tok.to(tl.int64) * stride_kt + offs, mask=mask)
     v = tl.load(value_ptr + tok.to(tl.int64) * stride_vt + offs, mask=mask)
     dst = cache_ptr + slot * ROW + offs
+    if QUANT:
+        k = quantize_e4m3(k.to(tl.float32), k_scale)
+        v = quantize_e4m3(v.to(tl.float32), v_scale)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + kv_half, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -65,7 +99,8 @@ def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 def _attend_tile(
     q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh, scale_log2,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
 
@@ -85,6 +120,9 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None])
         v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :])
+    if KV_FP8:  # e4m3 -> the model dtype (exact); the scales are applied outside the loop
+        k = k.to(DTYPE)
+        v = v.to(DTYPE)
     if UPCAST:
         k = k.to(tl.float32)
     if IEEE:  # noqa: SIM108 - constexpr branch, one dot compiled
@@ -122,7 +160,8 @@ def _paged_attn_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
-    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # KV_FP8 only: the V cache's scale, applied to the normalised output
     num_reqs,
     stride_qt,
     stride_qh,
@@ -141,6 +180,7 @@ def _paged_attn_kernel(
     DECODE_ONLY: tl.constexpr,  # every request has one query token: program id = request
     IEEE: tl.constexpr,  # exact fp32 products (no tf32) for float32 models
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns as ints
+    KV_FP8: tl.constexpr,  # the cache holds float8 e4m3 (see the module docstring)
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -191,15 +231,19 @@ def _paged_attn_kernel(
     for start in range(kv_lo, mid, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, IEEE, UPCAST,
+            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, IEEE, UPCAST, KV_FP8,
+            q_ptr.dtype.element_ty,
         )  # fmt: skip
     for start in range(mid, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, IEEE, UPCAST,
+            scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, IEEE, UPCAST, KV_FP8,
+            q_ptr.dtype.element_ty,
         )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

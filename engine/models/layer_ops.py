@@ -19,6 +19,8 @@ import importlib.util
 
 import torch
 
+from engine.attention.kv_quant import DEFAULT_SCALE, byte_view, quantize
+
 
 class TorchOps:
     name = "torch"
@@ -79,17 +81,25 @@ class TorchOps:
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = DEFAULT_SCALE,
+        v_scale: float = DEFAULT_SCALE,
     ) -> torch.Tensor:
         """``rope`` of ``q``/``k``, then rotated ``k`` and ``v`` [T, Hk, D] stored into one
         layer's paged cache ``kv_cache`` [2, blocks, block_size, Hk, D] at ``slot_mapping``
-        [T] (slot < 0: not stored). Returns the rotated ``q``."""
+        [T] (slot < 0: not stored; an fp8 cache stores them quantized with
+        ``k_scale``/``v_scale``, engine/attention/kv_quant.py). Returns the rotated ``q``."""
         q, k = cls.rope(positions, q, k, cos, sin)
-        store_kv(kv_cache, k, v, slot_mapping)
+        store_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
         return q
 
 
 def store_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = DEFAULT_SCALE,
+    v_scale: float = DEFAULT_SCALE,
 ) -> None:
     """Scatter ``k``/``v`` rows into the cache at their slots, skipping negative slots.
 
@@ -101,8 +111,9 @@ def store_kv(
     slots = slot_mapping[keep].long()
     block_size = kv_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = v[keep].to(kv_cache.dtype)
+    raw = byte_view(kv_cache)  # float8 moves as bytes (no float8 index_put on the CPU)
+    raw[0, blocks, offsets] = byte_view(quantize(k[keep], kv_cache.dtype, k_scale))
+    raw[1, blocks, offsets] = byte_view(quantize(v[keep], kv_cache.dtype, v_scale))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

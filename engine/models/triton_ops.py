@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.kv_quant import DEFAULT_SCALE, is_fp8
+from engine.attention.triton_kernels import quantize_e4m3
 from engine.models.layer_ops import TorchOps
 from engine.models.triton_gemv import MAX_ROWS, prefers_cublas, supports_gemv
 from engine.models.triton_gemv import _launch as _gemv
@@ -68,6 +70,16 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.c
 
 
 @triton.jit
+def _to_store(x, DTYPE: tl.constexpr, scale, QUANT: tl.constexpr, OUT: tl.constexpr):
+    """float32 ``x`` as the destination holds it: the model dtype ``DTYPE``, or (QUANT, an
+    fp8 cache) rounded to ``DTYPE`` first, as the unfused path stores it, then divided by
+    the scale and rounded to e4m3 (``quantize_e4m3``, engine/attention/kv_quant.py)."""
+    if QUANT:
+        return quantize_e4m3(_round(x, DTYPE), scale).to(OUT)
+    return x.to(OUT)
+
+
+@triton.jit
 def _rope_heads(
     src_ptr,
     dst_ptr,
@@ -78,12 +90,15 @@ def _rope_heads(
     s1,
     s2,
     n_heads,
+    scale,  # QUANT only: the fp8 cache's k scale
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     HEADS_P2: tl.constexpr,
+    DTYPE: tl.constexpr,  # the model dtype (intermediates are rounded to it)
+    QUANT: tl.constexpr,
 ):
     """Rotate one token's ``n_heads`` heads: out = x * cos + rotate_half(x) * sin."""
-    dtype = dst_ptr.dtype.element_ty
+    dtype = DTYPE
     heads = tl.arange(0, HEADS_P2)[:, None]
     cols = tl.arange(0, HALF)[None, :]
     mask = heads < n_heads
@@ -94,8 +109,9 @@ def _rope_heads(
     out1 = _round(x1 * c1, dtype) + _round(-x2 * s1, dtype)
     out2 = _round(x2 * c2, dtype) + _round(x1 * s2, dtype)
     dst = dst_ptr + dst_row + heads * HEAD_DIM + cols
-    tl.store(dst, out1.to(dtype), mask=mask)
-    tl.store(dst + HALF, out2.to(dtype), mask=mask)
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst, _to_store(out1, dtype, scale, QUANT, out_ty), mask=mask)
+    tl.store(dst + HALF, _to_store(out2, dtype, scale, QUANT, out_ty), mask=mask)
 
 
 @triton.jit
@@ -115,11 +131,14 @@ def _rope_kernel(
     slot_ptr,
     stride_v,
     kv_half,  # elements between the K and the V half of the layer cache
+    k_scale,  # QUANT only (an fp8 cache): the per-tensor scales
+    v_scale,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     Q_HEADS_P2: tl.constexpr,
     K_HEADS_P2: tl.constexpr,
     STORE_KV: tl.constexpr,  # k_out_ptr is the paged cache: rotated k and v go to the slot
+    QUANT: tl.constexpr,  # STORE_KV into an fp8 cache: quantize on write
 ):
     tok = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
@@ -132,27 +151,28 @@ def _rope_kernel(
     s2 = _round(tl.load(sin_ptr + table + HALF), dtype)
     _rope_heads(
         q_ptr, q_out_ptr, tok * stride_q, tok * n_q_heads * HEAD_DIM, c1, c2, s1, s2,
-        n_q_heads, HEAD_DIM, HALF, Q_HEADS_P2,
+        n_q_heads, 1.0, HEAD_DIM, HALF, Q_HEADS_P2, dtype, False,
     )  # fmt: skip
     if STORE_KV:
-        # The cache holds the model dtype (the wrapper checks), so rotated k is rounded
-        # exactly as the unfused kernel rounds its output.
+        # The cache holds the model dtype or fp8 (the wrapper checks): rotated k is rounded
+        # exactly as the unfused kernel rounds its output (then quantized, for fp8).
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:  # -1: padding, or a token whose KV is already cached
             row = slot * n_k_heads * HEAD_DIM
             _rope_heads(
                 k_ptr, k_out_ptr, tok * stride_k, row, c1, c2, s1, s2,
-                n_k_heads, HEAD_DIM, HALF, K_HEADS_P2,
+                n_k_heads, k_scale, HEAD_DIM, HALF, K_HEADS_P2, dtype, QUANT,
             )  # fmt: skip
             heads = tl.arange(0, K_HEADS_P2)[:, None]
             offs = heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
             mask = heads < n_k_heads
-            v = tl.load(v_ptr + tok * stride_v + offs, mask=mask)
+            v = tl.load(v_ptr + tok * stride_v + offs, mask=mask).to(tl.float32)
+            v = _to_store(v, dtype, v_scale, QUANT, k_out_ptr.dtype.element_ty)
             tl.store(k_out_ptr + kv_half + row + offs, v, mask=mask)
     else:
         _rope_heads(
             k_ptr, k_out_ptr, tok * stride_k, tok * n_k_heads * HEAD_DIM, c1, c2, s1, s2,
-            n_k_heads, HEAD_DIM, HALF, K_HEADS_P2,
+            n_k_heads, 1.0, HEAD_DIM, HALF, K_HEADS_P2, dtype, False,
         )  # fmt: skip
 
 
@@ -264,9 +284,9 @@ class TritonOps(TorchOps):
         if tokens:
             _rope_kernel[(tokens,)](
                 q, k, positions, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
-                q_heads, k_heads, q, positions, 0, 0, HEAD_DIM=dim, HALF=dim // 2,
+                q_heads, k_heads, q, positions, 0, 0, 1.0, 1.0, HEAD_DIM=dim, HALF=dim // 2,
                 Q_HEADS_P2=triton.next_power_of_2(q_heads),
-                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=False,
+                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=False, QUANT=False,
             )  # fmt: skip
         return q_out, k_out
 
@@ -281,10 +301,14 @@ class TritonOps(TorchOps):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = DEFAULT_SCALE,
+        v_scale: float = DEFAULT_SCALE,
     ) -> torch.Tensor:
         """``rope`` and the paged-cache store of rotated ``k`` and ``v`` in one launch (the
         cache layout of engine/attention/triton_kernels.py). ``v`` may be a strided view
-        like ``q``/``k``. Returns the rotated ``q``, contiguous."""
+        like ``q``/``k``. An fp8 cache is quantized on write with ``k_scale``/``v_scale``
+        (engine/attention/kv_quant.py). Returns the rotated ``q``, contiguous."""
+        quant = is_fp8(kv_cache.dtype)
         tokens, q_heads, dim = q.shape
         k_heads = k.shape[1]
         if (
@@ -292,7 +316,8 @@ class TritonOps(TorchOps):
             or v.shape != k.shape
             or v.stride(2) != 1
             or v.stride(1) != dim
-            or not q.dtype == k.dtype == v.dtype == kv_cache.dtype  # one rounding, no casts
+            or not q.dtype == k.dtype == v.dtype  # one rounding, no casts
+            or not (kv_cache.dtype == q.dtype or quant)
             or kv_cache.dim() != 5
             or kv_cache.shape[0] != 2
             or kv_cache.shape[3:] != (k_heads, dim)
@@ -300,14 +325,16 @@ class TritonOps(TorchOps):
             or slot_mapping.shape != (tokens,)
         ):
             # The reference's store with TritonOps.rope (itself falling back where it must).
-            return super().rope_store_kv(positions, q, k, v, cos, sin, kv_cache, slot_mapping)
+            return super().rope_store_kv(
+                positions, q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale
+            )
         q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
         if tokens:
             _rope_kernel[(tokens,)](
                 q, k, positions, cos, sin, q_out, kv_cache, q.stride(0), k.stride(0),
                 q_heads, k_heads, v, slot_mapping, v.stride(0), kv_cache.stride(0),
-                HEAD_DIM=dim, HALF=dim // 2,
+                k_scale, v_scale, HEAD_DIM=dim, HALF=dim // 2,
                 Q_HEADS_P2=triton.next_power_of_2(q_heads),
-                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=True,
+                K_HEADS_P2=triton.next_power_of_2(k_heads), STORE_KV=True, QUANT=quant,
             )  # fmt: skip
         return q_out

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.attention.kv_quant import byte_view
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -133,6 +135,7 @@ def copy_blocks(
         raise ValueError("copy_blocks: source and destination block counts differ")
     if not src_ids:
         return
+    src, dst = byte_view(src), byte_view(dst)  # fp8 caches: plain bytes (kv_quant.byte_view)
     with torch.cuda.stream(stream):
         if fusable(src, dst):
             from kv_store.p2p.block_copy import copy_blocks_triton

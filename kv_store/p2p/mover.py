@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.kv_quant import byte_view
 from kv_store.p2p.group import PairGroup
 
 DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
@@ -32,7 +33,9 @@ class BlockMover:
         """``wire``: ``"nccl"`` (tensors stay on the cache's device) or ``"gloo"``."""
         if batch_bytes < 1:
             raise ValueError(f"batch_bytes must be >= 1, got {batch_bytes}")
-        self.kv = kv
+        # Bytes only: an fp8 cache moves as uint8 (gloo has no float8, nor has torch's CPU
+        # index_copy_), which is also exactly what a receiving fp8 cache holds.
+        self.kv = byte_view(kv)
         layers, two, _, block, heads, dim = kv.shape
         self._block_shape = (layers, two, block, heads, dim)
         self.block_bytes = layers * two * block * heads * dim * kv.element_size()
