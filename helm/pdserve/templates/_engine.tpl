@@ -5,6 +5,8 @@ Deployments differ only in their values block, their role and decode's KV-load p
 {{- $role := .role }}
 {{- $pool := index $root.Values $role }}
 {{- $ctx := dict "root" $root "component" $role }}
+{{- $tls := $root.Values.grpcTls }}
+{{- $probePort := ternary $tls.healthPort 50051 $tls.enabled }}
 {{- /* A pool's own value wins; null falls back to the shared engine value. */}}
 {{- $tuning := dict }}
 {{- range $key := list "maxNumSeqs" "maxNumBatchedTokens" "gpuMemoryUtilization" }}
@@ -96,6 +98,7 @@ spec:
                   fieldPath: status.podIP
             {{- end }}
             {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "pdserve.grpcTlsEnv" (dict "root" $root "side" "engine") }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.kvSecretEnv" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.redisEnv" $root }}{{ . | nindent 12 }}{{ end }}
             - name: HOME
@@ -110,18 +113,24 @@ spec:
             - name: metrics
               containerPort: 9090
               protocol: TCP
+            {{- if $tls.enabled }}
+            - name: grpc-health
+              containerPort: {{ $tls.healthPort }}
+              protocol: TCP
+            {{- end }}
             {{- if eq $root.Values.connector.type "p2p" }}
             - name: p2p
               containerPort: {{ $root.Values.connector.p2p.port }}
               protocol: TCP
             {{- end }}
+          # With mTLS the kubelet (no client certificate) probes the plaintext health port.
           startupProbe:
             grpc:
-              port: 50051
+              port: {{ $probePort }}
             {{- toYaml $pool.startupProbe | nindent 12 }}
           readinessProbe:
             grpc:
-              port: 50051
+              port: {{ $probePort }}
             {{- toYaml $pool.readinessProbe | nindent 12 }}
           livenessProbe:
             tcpSocket:
@@ -148,6 +157,7 @@ spec:
             - name: kv
               mountPath: {{ $root.Values.connector.fs.mountPath }}
             {{- end }}
+            {{- with include "pdserve.grpcTlsMount" $root }}{{ . | nindent 12 }}{{ end }}
       volumes:
         {{- include "pdserve.modelVolume" $root | nindent 8 }}
         - name: tmp
@@ -161,6 +171,7 @@ spec:
           persistentVolumeClaim:
             claimName: {{ include "pdserve.kvClaimName" $root }}
         {{- end }}
+        {{- with include "pdserve.grpcTlsVolume" (dict "root" $root "side" "engine") }}{{ . | nindent 8 }}{{ end }}
       {{- with $pool.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

@@ -211,6 +211,70 @@ Kubernetes' $(VAR) expansion; external Redis with urlSecret = the whole URL from
 {{- end }}
 {{- end }}
 
+{{/* mTLS (grpcTls): the Secret of (dict "root" $ "side" "engine"|"router"), or fail. */}}
+{{- define "pdserve.grpcTlsSecret" -}}
+{{- $tls := .root.Values.grpcTls }}
+{{- $name := ternary $tls.engineSecret $tls.routerSecret (eq .side "engine") }}
+{{- if not $name }}
+{{- fail (printf "grpcTls.enabled needs grpcTls.%sSecret (a Secret with tls.crt, tls.key, ca.crt)" .side) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{/* The name the router checks in the engines' certificates. */}}
+{{- define "pdserve.grpcTlsServerName" -}}
+{{- default (include "pdserve.componentName" (dict "root" . "component" "engine")) .Values.grpcTls.serverName }}
+{{- end }}
+
+{{/* PDSERVE_GRPC_TLS_* of (dict "root" $ "side" "engine"|"router"), if grpcTls.enabled:
+the mounted files, and the side's own settings. */}}
+{{- define "pdserve.grpcTlsEnv" -}}
+{{- $tls := .root.Values.grpcTls }}
+{{- if $tls.enabled -}}
+- name: PDSERVE_GRPC_TLS_CERT
+  value: {{ printf "%s/tls.crt" $tls.mountPath | quote }}
+- name: PDSERVE_GRPC_TLS_KEY
+  value: {{ printf "%s/tls.key" $tls.mountPath | quote }}
+- name: PDSERVE_GRPC_TLS_CA
+  value: {{ printf "%s/ca.crt" $tls.mountPath | quote }}
+{{- if eq .side "router" }}
+- name: PDSERVE_GRPC_TLS_SERVER_NAME
+  value: {{ include "pdserve.grpcTlsServerName" .root | quote }}
+{{- else }}
+- name: PDSERVE_GRPC_HEALTH_PORT
+  value: {{ $tls.healthPort | quote }}
+{{- with $tls.allowedClients }}
+- name: PDSERVE_GRPC_ALLOWED_CLIENTS
+  value: {{ join "," . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The volumeMount of the mTLS Secret, if grpcTls.enabled. */}}
+{{- define "pdserve.grpcTlsMount" -}}
+{{- if .Values.grpcTls.enabled -}}
+- name: grpc-tls
+  mountPath: {{ .Values.grpcTls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The volume of the mTLS Secret of (dict "root" $ "side" ...), if grpcTls.enabled; only
+the three keys, group-readable (fsGroup) and nothing else. */}}
+{{- define "pdserve.grpcTlsVolume" -}}
+{{- if .root.Values.grpcTls.enabled -}}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "pdserve.grpcTlsSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end }}
+
 {{/* PDSERVE_KV_SECRET from kvSecret.existingSecret (prefill and decode only), if set. */}}
 {{- define "pdserve.kvSecretEnv" -}}
 {{- with .Values.kvSecret.existingSecret -}}
