@@ -1,8 +1,10 @@
 """Model fingerprint: identifies KV compatibility across processes and machines.
 
-It covers the model's config, the identity of its weights, the KV dtype, the block size,
-the KV layout version and (when above 1) the tensor-parallel size. Weights are identified by file names, sizes, the safetensors headers
-and a sample of tensor bytes (hashing many GB at every start would be too slow).
+It covers the model's config, the identity of its weights, the model dtype, the KV cache
+dtype (when not the model's), the block size, the KV layout version and (when above 1) the
+tensor-parallel size, which also ends it as ``-tp{N}`` (docs/design.md §3). Weights are
+identified by file names, sizes, the safetensors headers and a sample of tensor bytes
+(hashing many GB at every start would be too slow).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ def model_fingerprint(config: EngineConfig) -> str:
         # An fp8 cache's blocks are other bytes than the model dtype's: their store keys
         # must differ (auto keeps its old value, so existing records stay valid).
         h.update(f"kv:{config.kv_cache_dtype_name}|".encode())
-    if config.tensor_parallel_size > 1:
+    tp = config.tensor_parallel_size
+    if tp > 1:
         # Each rank's cache holds only its KV heads: blocks of another split are not
         # interchangeable, so a handle from it must not match (N = 1 keeps its old value).
-        h.update(f"tp{config.tensor_parallel_size}|".encode())
+        h.update(f"tp{tp}|".encode())
     if config.quantization:
         # Weights quantized at load compute other KV than the checkpoint's own precision.
         h.update(f"q:{config.quantization}|".encode())
@@ -37,7 +40,14 @@ def model_fingerprint(config: EngineConfig) -> str:
         for name in sorted(os.listdir(config.model)):
             if name.endswith(".safetensors"):
                 _hash_weights_file(h, os.path.join(config.model, name))
-    return h.hexdigest()[:32]
+    # The size is also spelled out, so a refused handle can say which N it came from.
+    return h.hexdigest()[:32] + (f"-tp{tp}" if tp > 1 else "")
+
+
+def tensor_parallel_size_of(fingerprint: str) -> int:
+    """The ``tensor_parallel_size`` a fingerprint was made for (1 without a ``-tp`` suffix)."""
+    _, sep, tail = fingerprint.rpartition("-tp")
+    return int(tail) if sep and tail.isdigit() else 1
 
 
 def _hash_weights_file(h: hashlib._Hash, path: str) -> None:

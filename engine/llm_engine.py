@@ -42,14 +42,19 @@ class LLMEngine:
         self.max_model_len = self.args.max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.args.eos_token_ids)
-        if connector is not None and config.tensor_parallel_size > 1:
-            raise ValueError(
-                "KV connectors (disaggregated prefill/decode) do not support "
-                "tensor_parallel_size > 1 yet; run this instance with tensor_parallel_size 1"
-            )
+        tp_connector = connector if config.tensor_parallel_size > 1 else None
+        if tp_connector is not None and tp_connector.worker_recipe is None:  # no worker yet
+            from engine.tp_kv import tp_refusal
+
+            raise ValueError(tp_refusal(tp_connector))
         # Runs the model: here, or sharded over worker processes (tensor parallelism).
         self.executor = make_executor(config, self.args, self.max_model_len)
         self.runner = self.executor.runner  # this process's runner (rank 0's shard)
+        if tp_connector is not None:
+            # Every rank moves its own KV shard (docs/design.md §3, KV with tensor parallelism).
+            from engine.tp_kv import attach_tp_connector
+
+            connector = attach_tp_connector(tp_connector, self.executor)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -72,13 +77,19 @@ class LLMEngine:
             config.kv_cache_dtype_name,  # records and handles carry the KV storage dtype
             config.block_size,
             self.args.num_layers,
-            self.args.num_kv_heads,
+            self.runner.num_kv_heads,  # this rank's KV heads (all of them when N = 1)
             self.args.head_dim,
         )
         self.connector = connector
         self.transfers: KVTransferCoordinator | None = None
         if connector is not None:
-            connector.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
+            try:
+                connector.bind_kv_cache(
+                    self.runner.kv_cache, self.kv_layout, self.model_fingerprint
+                )
+            except Exception:
+                self.executor.shutdown()  # no worker outlives a failed start
+                raise
             self.transfers = KVTransferCoordinator(connector, self.kv, config.kv_load_failure)
         self.limits = RequestLimits(
             self.max_model_len,

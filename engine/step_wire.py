@@ -18,6 +18,9 @@ from engine.step_inputs import HostInputs
 
 OP_STEP = 1
 OP_SHUTDOWN = 2
+# A KV-connector message (``engine/tp_kv.py``): ``num_ids`` bytes of JSON follow the header
+# on the pipe itself (no broadcast).
+OP_KV = 3
 _HEADER = struct.Struct("<10q")
 HEADER_SIZE = _HEADER.size
 
@@ -69,7 +72,7 @@ class Header:
             raise ValueError(f"step header is {HEADER_SIZE} bytes, got {len(data)}")
         f = _HEADER.unpack(data)
         header = cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], bool(f[7]))
-        if header.op not in (OP_STEP, OP_SHUTDOWN) or header.buffer_len != f[8]:
+        if header.op not in (OP_STEP, OP_SHUTDOWN, OP_KV) or header.buffer_len != f[8]:
             raise ValueError(f"not a step header: {f}")
         return header
 

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models import ModelArgs
-from engine.step_wire import HEADER_SIZE, OP_SHUTDOWN, Header, unpack
+from engine.step_wire import HEADER_SIZE, OP_KV, OP_SHUTDOWN, Header, unpack
 from engine.tp_executor import UP_KEY
 from engine.tp_group import TPGroup, startup_timeout, timedelta
+from engine.tp_kv import WorkerKV
 
 logger = logging.getLogger("engine.tp_worker")
 
@@ -52,8 +53,9 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
     return data
 
 
-def serve(runner: ModelRunner, tp: TPGroup, stream: BinaryIO) -> None:
-    """Run steps as rank 0 announces them, until a shutdown header or EOF."""
+def serve(runner: ModelRunner, tp: TPGroup, stream: BinaryIO, kv: WorkerKV | None = None) -> None:
+    """Run steps as rank 0 announces them, until a shutdown header or EOF. KV-connector
+    messages go to ``kv`` (``engine/tp_kv.py``)."""
     while True:
         data = _read_exact(stream, HEADER_SIZE)
         if data is None:
@@ -61,6 +63,14 @@ def serve(runner: ModelRunner, tp: TPGroup, stream: BinaryIO) -> None:
         header = Header.decode(data)
         if header.op == OP_SHUTDOWN:
             return
+        if header.op == OP_KV:
+            payload = _read_exact(stream, header.num_ids)
+            if payload is None:
+                return
+            if kv is None:
+                raise RuntimeError("a KV message reached a worker without KV support")
+            kv.handle(payload)
+            continue
         buffer = torch.empty(header.buffer_len, dtype=torch.int64)
         tp.broadcast(buffer, host=True)
         host = unpack(header, buffer.numpy())
@@ -97,7 +107,11 @@ def main() -> int:
     tp = TPGroup.create(store, rank, size, device, timeout)
     args = ModelArgs.from_hf(config.hf_config())
     runner = ModelRunner(config, args, int(spec["max_model_len"]), tp)
-    serve(runner, tp, stream)
+    kv = WorkerKV(runner, rank, int(spec["store_port"]), timeout)
+    try:
+        serve(runner, tp, stream, kv)
+    finally:
+        kv.close()  # p2p: end this rank's leases, stop its server
     return 0
 
 

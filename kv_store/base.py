@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kv_store.stats import ConnectorStats
 
@@ -164,6 +164,10 @@ class KVConnector(abc.ABC):
 
     name: str = "base"
     counters: ConnectorStats
+    # How a tensor-parallel worker rank builds a connector of the same kind for its own
+    # shard (JSON; set by ``kv_store.factory.build_connector``). None: this connector
+    # cannot serve an engine with tensor_parallel_size > 1 (``kv_store/tp_connector.py``).
+    worker_recipe: dict[str, Any] | None = None
 
     def stats(self) -> ConnectorStats:
         """A consistent snapshot of the transfer counters (exported as ``pdserve_kv_*``)."""

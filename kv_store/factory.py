@@ -26,9 +26,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.sizes import parse_bytes
 from kv_store.base import KVConnector
@@ -279,6 +281,27 @@ def build_connector(settings: KVStoreSettings, host: str = "127.0.0.1") -> KVCon
     """The connector ``settings`` describe, or None for ``none``. Raises ``ValueError`` on
     bad settings and ``KVStoreError`` when the store cannot be reached at start. ``host``:
     the service's listen address, where p2p serves pulls unless ``p2p_host`` says."""
+    connector = _build(settings, host)
+    if connector is not None and "lmcache" not in (settings.connector, settings.kv_store):
+        # LMCache keys KV by token prefix, not by our per-rank records: no recipe, so an
+        # engine with tensor_parallel_size > 1 refuses it (docs/design.md §3).
+        connector.worker_recipe = {"settings": dataclasses.asdict(settings), "host": host}
+    return connector
+
+
+def build_worker_connector(recipe: dict[str, Any], rank: int) -> KVConnector:
+    """The connector tensor-parallel rank ``rank`` runs for its shard, from rank 0's
+    ``worker_recipe``. A fixed ``--p2p-port`` P gives rank r the port P + r."""
+    settings = KVStoreSettings(**recipe["settings"])
+    if settings.p2p_port:
+        settings.p2p_port += rank
+    connector = _build(settings, str(recipe["host"]))
+    if connector is None:
+        raise ValueError("the worker recipe names no connector")
+    return connector
+
+
+def _build(settings: KVStoreSettings, host: str) -> KVConnector | None:
     settings.validate()
     if settings.connector == "p2p":
         from kv_store.p2p import P2PConnector

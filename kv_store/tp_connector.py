@@ -1,0 +1,273 @@
+"""KV handoff between tensor-parallel instances: each rank moves its own shard
+(docs/design.md §3, "KV with tensor parallelism").
+
+With ``tensor_parallel_size`` N > 1 every rank's paged cache holds only its KV heads, so
+every rank runs a connector of its own over its own cache: rank r of the prefill saves
+(or, over p2p, offers) its shard, and rank r of the decode loads (pulls) it. Nothing is
+gathered on rank 0.
+
+- Store connectors (fs, redis): one record per block per rank, under the rank's own
+  fingerprint ``{fingerprint}-r{rank}`` (``rank_fingerprint``); the engine fingerprint
+  already names N (``-tp{N}``), and a record's header carries the shard's head count.
+- p2p: rank r serves and pulls over its own control port and group; the handle's
+  ``source_address`` and ``transfer_id`` list the N ranks' values in rank order, joined by
+  ``,`` (``split_ranks``), and decode rank r pulls entry r from prefill rank r.
+
+``TPConnector`` is what the engine (rank 0) sees: it wraps rank 0's connector, hands every
+save, load and release to the worker ranks through a ``RankChannel`` (in order with the
+steps, so a save reads blocks the step before it wrote) and reports a transfer once every
+rank has: a load counts the blocks *every* rank loaded (the engine recomputes the rest on
+all ranks), a save is held only when every rank holds it, a release comes after the last
+rank's. Its counters are rank 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
+from kv_store.stats import ConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from kv_store.p2p.stats import P2PStats
+
+logger = logging.getLogger(__name__)
+
+RANK_SEP = ","
+
+
+def rank_fingerprint(model_fingerprint: str, rank: int, size: int) -> str:
+    """The fingerprint rank ``rank`` of ``size`` keys its records under (unchanged for 1)."""
+    return model_fingerprint if size == 1 else f"{model_fingerprint}-r{rank}"
+
+
+def split_ranks(value: str, size: int) -> list[str] | None:
+    """The per-rank entries of a handle's ``source_address`` / ``transfer_id`` (rank order,
+    ``,``-joined); None when their number is not ``size``."""
+    parts = value.split(RANK_SEP) if value else []
+    return parts if len(parts) == size else None
+
+
+# -- what travels between the ranks (JSON) ---------------------------------------------------
+def transfer_to_json(t: KVTransfer) -> dict[str, Any]:
+    d = dataclasses.asdict(t)
+    d["block_hashes"] = [h.hex() for h in t.block_hashes]
+    return d
+
+
+def transfer_from_json(d: dict[str, Any]) -> KVTransfer:
+    d = dict(d)
+    d["block_hashes"] = [bytes.fromhex(h) for h in d["block_hashes"]]
+    return KVTransfer(**d)
+
+
+def result_to_json(r: TransferResult) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def result_from_json(d: dict[str, Any]) -> TransferResult:
+    return TransferResult(**d)
+
+
+class RankChannel(Protocol):
+    """How rank 0 reaches the worker ranks 1..size-1 (``engine/tp_kv.py``)."""
+
+    size: int
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Deliver ``message`` to every worker rank, in order with the step inputs."""
+        ...
+
+    def receive(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(rank, message)`` the workers sent since the last call; never blocks."""
+        ...
+
+
+def merge_results(kind: str, parts: list[TransferResult]) -> TransferResult:
+    """One result for the engine from every rank's (rank order) for the same transfer."""
+    out = dataclasses.replace(parts[0], keys=list(parts[0].keys))
+    out.ok = all(p.ok for p in parts)
+    for rank, p in enumerate(parts):
+        if not p.ok:
+            out.failure_reason = p.failure_reason
+            out.error = f"rank {rank}: {p.error}"
+            break
+    out.num_loaded_blocks = min(p.num_loaded_blocks for p in parts)
+    out.num_saved_blocks = min(p.num_saved_blocks for p in parts)
+    out.bytes_moved = sum(p.bytes_moved for p in parts)
+    out.seconds = max(p.seconds for p in parts)
+    if kind == "save":
+        out.held = out.ok and all(p.held for p in parts)
+        if out.held:
+            out.transfer_id = RANK_SEP.join(p.transfer_id for p in parts)
+            out.source_address = RANK_SEP.join(p.source_address for p in parts)
+        else:
+            out.transfer_id = out.source_address = ""
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    parts: dict[int, TransferResult] = dataclasses.field(default_factory=dict)
+
+
+class TPConnector(KVConnector):
+    """Rank 0's connector of a tensor-parallel engine; see the module docstring."""
+
+    def __init__(
+        self, local: KVConnector, channel: RankChannel, recipe: dict[str, Any], timeout_s: float
+    ) -> None:
+        """``local``: rank 0's own connector; ``recipe``: how a worker builds one of the
+        same kind (``KVConnector.worker_recipe``); ``timeout_s``: how long binding may take
+        on the workers."""
+        self.local, self.channel, self.recipe, self.timeout_s = local, channel, recipe, timeout_s
+        self.size = channel.size
+        self.name = local.name
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._held: set[str] = set()  # saves held on every rank: a release follows
+
+    @property
+    def counters(self) -> ConnectorStats:  # type: ignore[override]
+        return self.local.counters
+
+    @property
+    def address(self) -> str:
+        """Rank 0's p2p address (tools and tests that name the prefill's control port)."""
+        return str(getattr(self.local, "address", ""))
+
+    def stats(self) -> ConnectorStats:
+        return self.local.stats()
+
+    def p2p_stats(self) -> P2PStats | None:
+        return self.local.p2p_stats()
+
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
+    ) -> None:
+        """Bind rank 0's connector, then have every worker build and bind its own; raises
+        ``RuntimeError`` naming the rank whose connector failed, or the deadline."""
+        self.local.bind_kv_cache(
+            kv_cache, layout, rank_fingerprint(model_fingerprint, 0, self.size)
+        )
+        self.channel.send(
+            {
+                "op": "bind",
+                "recipe": self.recipe,
+                "fingerprint": model_fingerprint,
+                "size": self.size,
+                "layout": dataclasses.asdict(layout),
+            }
+        )
+        bound: set[int] = set()
+        deadline = time.monotonic() + self.timeout_s
+        while len(bound) < self.size - 1:
+            for rank, msg in self.channel.receive():
+                if msg.get("op") != "bound":
+                    continue
+                if not msg.get("ok"):
+                    raise RuntimeError(
+                        f"KV connector of tensor-parallel rank {rank}: {msg['error']}"
+                    )
+                bound.add(rank)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.size)) - bound)
+                raise RuntimeError(
+                    f"KV connectors of tensor-parallel ranks {missing} not bound within "
+                    f"{self.timeout_s} s"
+                )
+            time.sleep(0.005)
+
+    def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
+        """Rank 0's view: a block another rank lacks shows up as a short load, recomputed."""
+        return self.local.lookup(token_ids, block_hashes)
+
+    def start_save(self, transfer: KVTransfer) -> None:
+        self._pending[(transfer.request_id, "save")] = _Pending()
+        self.channel.send({"op": "save", "transfer": transfer_to_json(transfer)})
+        self.local.start_save(transfer)
+
+    def start_load(self, transfer: KVTransfer) -> None:
+        """A p2p handle names every rank's source; rank r pulls entry r. A handle listing
+        another number of ranks fails the load (reason ``layout``): never a wrong shard."""
+        key = (transfer.request_id, "load")
+        self._pending[key] = _Pending()
+        msg: dict[str, Any] = {"op": "load", "transfer": transfer_to_json(transfer)}
+        if transfer.transfer_id:
+            sources = split_ranks(transfer.source_address, self.size)
+            ids = split_ranks(transfer.transfer_id, self.size)
+            if sources is None or ids is None:
+                del self._pending[key]
+                self._refuse_load(transfer)
+                return
+            msg["sources"], msg["transfer_ids"] = sources, ids
+            transfer = dataclasses.replace(transfer, source_address=sources[0], transfer_id=ids[0])
+        self.channel.send(msg)
+        self.local.start_load(transfer)
+
+    def _refuse_load(self, transfer: KVTransfer) -> None:
+        error = (
+            f"the KV handle lists {len(transfer.transfer_id.split(RANK_SEP))} p2p sources; "
+            f"this instance has tensor_parallel_size {self.size}"
+        )
+        result = TransferResult(transfer.request_id, "load", False, failure_reason="layout")
+        result.error = error
+        parts = {r: result for r in range(self.size)}
+        self._pending[(transfer.request_id, "load")] = _Pending(parts)
+
+    def release_held(self, request_id: str) -> bool:
+        self.channel.send({"op": "release", "request_id": request_id})
+        return self.local.release_held(request_id)
+
+    def poll(self) -> list[TransferResult]:
+        """Transfers every rank has finished (non-blocking)."""
+        arrived = [(0, r) for r in self.local.poll()]
+        if self._pending or self._held:  # the workers have something to report
+            arrived += [
+                (rank, result_from_json(msg["result"]))
+                for rank, msg in self.channel.receive()
+                if msg.get("op") == "result"
+            ]
+        for rank, result in arrived:
+            key = (result.request_id, result.kind)
+            if key not in self._pending:
+                # A release follows a save held on every rank; one of a save that failed on
+                # some rank (its lease ended early, above) concerns nobody.
+                expected = result.request_id in self._held or (result.request_id, "save") in (
+                    self._pending
+                )
+                if result.kind != "release" or not expected:
+                    if result.kind != "release":
+                        logger.warning("result from rank %d for an unknown transfer %s", rank, key)
+                    continue
+                self._pending[key] = _Pending()
+            self._pending[key].parts[rank] = result
+        done = []
+        for key, pending in list(self._pending.items()):
+            if len(pending.parts) < self.size:
+                continue
+            del self._pending[key]
+            merged = merge_results(key[1], [pending.parts[r] for r in range(self.size)])
+            if not merged.ok:
+                logger.info(
+                    "KV %s %s failed (%s): %s", key[1], key[0], merged.failure_reason, merged.error
+                )
+            if key[1] == "save" and merged.held:
+                self._held.add(key[0])
+            elif key[1] == "save" and any(p.held for p in pending.parts.values()):
+                self.release_held(key[0])  # some ranks hold a save that failed elsewhere
+            elif key[1] == "release":
+                self._held.discard(key[0])
+            done.append(merged)
+        return done
+
+    def close(self) -> None:
+        try:
+            self.channel.send({"op": "close"})
+        except Exception as e:  # noqa: BLE001 - the workers may be gone already
+            logger.info("could not tell the workers to close their KV connectors: %s", e)
+        self.local.close()
