@@ -46,10 +46,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "auto"  # "auto" | "torch_ref" | "triton"
+    # "auto" | "torch_ref" | "triton" | "flash_attn" (engine/attention/__init__.py)
+    attention_backend: str = "auto"
     seed: int = 0
     kv_load_failure: str = "recompute"  # "recompute" | "fail"
-    cuda_graphs: bool = True  # capture decode steps on CUDA (triton backend only)
+    cuda_graphs: bool = True  # capture decode steps on CUDA (triton, flash_attn, auto)
     fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
     # Launch decode step n+1 before step n's tokens reach the host (engine/async_scheduling.py).
     # None: on for CUDA, where the host time it hides is a tenth of a small model's step.

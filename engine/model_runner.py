@@ -97,10 +97,12 @@ class ModelRunner:
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
-        backend that reads only device tensors, so only ``triton`` qualifies."""
+        backend that reads only device tensors: ``triton``, or one with
+        ``captures_decode`` (engine/attention/base.py: flash_attn, auto)."""
         if (
             self.device.type != "cuda"
-            or self.backend.name != "triton"
+            # triton, or a backend whose decode steps are Triton's (flash_attn, auto)
+            or not (self.backend.name == "triton" or self.backend.captures_decode)
             or not self.config.cuda_graphs
         ):
             return None

@@ -95,7 +95,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     ),
     (
         "--attention-backend",
-        {"default": None, "help": "attention backend (engine default if unset)"},
+        {
+            "default": None,
+            "choices": ["auto", "torch_ref", "triton", "flash_attn"],
+            "help": "attention kernels (engine default auto: Triton on CUDA, plus FA4 per "
+            "step shape when flash-attn-4 is installed; docs/gpu.md)",
+        },
         True,
     ),
     (

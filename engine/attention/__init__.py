@@ -1,37 +1,72 @@
-"""Attention backends by name: ``torch_ref`` everywhere, ``triton`` on CUDA when available."""
+"""Attention backends by name: ``torch_ref`` everywhere; ``triton`` and ``flash_attn`` on
+CUDA; ``auto`` = Triton on CUDA, with FA4 for the step shapes where it measured faster
+when the optional ``flash-attn-4`` package is installed (engine/attention/flash_attn.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "get_backend"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "torch_ref", "triton", "flash_attn")
 
 
 def get_backend(name: str, device: str) -> AttentionBackend:
-    """Build the named backend; "auto" picks triton on CUDA when it imports, else torch_ref."""
+    """Build the named backend (ValueError with the alternatives when it cannot run here).
+
+    "auto": on CUDA with Triton, Triton plus FA4 per step shape when FA4 imports (else
+    Triton alone, said once in the log); elsewhere torch_ref."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        name = (
-            "triton"
-            if device.startswith("cuda") and importlib.util.find_spec("triton")
-            else "torch_ref"
-        )
+        if not (device.startswith("cuda") and importlib.util.find_spec("triton")):
+            return _torch_ref(device)
+        from engine.attention.flash_attn import FlashAttention, fa4_available
+
+        if fa4_available():
+            return FlashAttention(policy="auto")
+        _log_no_fa4()
+        name = "triton"
     if name == "torch_ref":
-        from engine.attention.torch_ref import TorchRefAttention
+        return _torch_ref(device)
+    if name == "flash_attn":
+        from engine.attention.flash_attn import FlashAttention, check_flash_attn_usable
 
-        backend = TorchRefAttention()
-        if device == "cpu" and backend.cpu_kernels:
-            # Build (or load the cached) C decode kernel at start-up, not inside the first
-            # request's decode step (a first build takes a few seconds).
-            from engine.attention.cpu_kernels import load_decode_kernel
+        check_flash_attn_usable(device)
+        return FlashAttention(policy="flash_attn")
+    if not device.startswith("cuda"):
+        raise ValueError("attention_backend 'triton' needs device 'cuda'")
+    from engine.attention.triton_backend import TritonAttention
 
-            load_decode_kernel()
-        return backend
-    if name == "triton":
-        if not device.startswith("cuda"):
-            raise ValueError("attention_backend 'triton' needs device 'cuda'")
-        from engine.attention.triton_backend import TritonAttention
+    return TritonAttention()
 
-        return TritonAttention()
-    raise ValueError(f"attention_backend must be 'auto', 'torch_ref' or 'triton', got {name!r}")
+
+_said_no_fa4 = False
+
+
+def _log_no_fa4() -> None:
+    global _said_no_fa4
+    if not _said_no_fa4:
+        _said_no_fa4 = True
+        logger.info(
+            "flash-attn is not installed: attention runs on Triton alone "
+            "(pip install 'pdserve[flash-attn]' adds FA4 for chunked prefill)"
+        )
+
+
+def _torch_ref(device: str) -> AttentionBackend:
+    from engine.attention.torch_ref import TorchRefAttention
+
+    backend = TorchRefAttention()
+    if device == "cpu" and backend.cpu_kernels:
+        # Build (or load the cached) C decode kernel at start-up, not inside the first
+        # request's decode step (a first build takes a few seconds).
+        from engine.attention.cpu_kernels import load_decode_kernel
+
+        load_decode_kernel()
+    return backend

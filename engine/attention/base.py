@@ -46,6 +46,9 @@ class AttentionBackend(abc.ABC):
     name: str = "base"
     # Whether ``forward_prewritten`` is implemented (the caller then stores K/V itself).
     accepts_prewritten_kv: bool = False
+    # Whether a pure-decode step through it reads only device tensors plus the fixed host
+    # integers, so it can be captured in a CUDA graph (engine/cuda_graphs.py's contract).
+    captures_decode: bool = False
 
     @abc.abstractmethod
     def forward(
