@@ -1,16 +1,30 @@
-"""Chaos benchmark: ``pdserve up`` (2 prefill + 2 decode, redis connector, CPU, tiny Llama)
-under steady load from the official ``openai`` client while one fault at a time is injected.
+"""Chaos benchmark: ``pdserve up`` (2 prefill + 2 decode, CPU, tiny Llama) over the redis,
+fs or p2p connector under steady load from the official ``openai`` client while one fault
+at a time is injected (issue 17, item 7).
 
-Phases, in order, each ``--phase-seconds`` long with the fault at ``--fault-at`` seconds:
-``none`` (undisturbed), ``kill -9 decode``, ``SIGSTOP decode`` for ``--pause-seconds``,
-``kill -9 prefill``, ``kill -9 redis``, ``SIGSTOP redis`` for ``--pause-seconds``. Every
-request is greedy with a known expected output (each prompt run once, undisturbed, before
-the phases); per phase the report gives requests sent / succeeded / identical / wrong /
-failed by error, p50/p99 latency of the successes, the seconds from the fault until every
-instance is healthy again, and the router counters that moved (failovers, stalls, KV
-fallbacks). ``pdserve up`` restarts what was killed; a paused process is always resumed.
+Phases, in order, each ``--phase-seconds`` long:
 
-    .venv/bin/python benchmarks/chaos.py --out benchmarks/chaos.json --md benchmarks/chaos.md
+- ``none`` (undisturbed); ``kill_*`` / ``stop_*``: SIGKILL, or SIGSTOP for
+  ``--pause-seconds``, of ``decode-0``, ``prefill-0`` or the private redis-server, at
+  ``--fault-at`` seconds (``pdserve up`` restarts what was killed; a paused child is
+  always resumed);
+- ``*_records`` (see ``chaos_poison.py``): both decode instances are restarted first (an
+  empty prefix cache, so their next loads read the store), then a share of the records of
+  the ``POISON_PROMPTS`` (in the store since the undisturbed run) is overwritten with
+  garbage, forged (valid checksum, no MAC), replaced by a FIFO or grown past any record
+  (fs), and the load runs on those prompts: the poison is read, must be refused and
+  recomputed, and the output must stay identical;
+- ``disconnect``: half the streams hang up after 1-8 chunks; afterwards every service must
+  go back to idle (no request running, KV usage back to the baseline).
+
+Every request is greedy with a known expected output (each prompt run once, undisturbed,
+before the phases). Per phase: requests sent / identical / wrong (must be 0) / failed with a
+clear error / hung (no answer within ``--request-timeout``: must be 0), latencies, the time
+until every instance is healthy again and until the first identical answer of a request
+sent after the fault, and the router's and services' counters that moved. A soak reading
+(RSS, open fds, KV gauges, temp files) is taken before the first and after the last phase.
+
+    .venv/bin/python benchmarks/chaos.py --connector redis --out benchmarks/chaos_redis.json
 """
 
 from __future__ import annotations
@@ -21,38 +35,51 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.chaos_report import Outcome, markdown_table, summarize  # noqa: E402
+from benchmarks import chaos_poison  # noqa: E402
+from benchmarks.chaos_cluster import (  # noqa: E402
+    Cluster,
+    counter_delta,
+    inject_signal,
+    restart_decodes,
+    wait_until,
+)
+from benchmarks.chaos_load import MODEL, load, one  # noqa: E402
+from benchmarks.chaos_report import Outcome, first_ok_after, markdown_table, soak_table, summarize  # noqa: E402
 from benchmarks.system_overhead_paths import PdserveUp  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
-COUNTERS = (
-    "pdserve_decode_failovers_total",
-    "pdserve_decode_stalls_total",
-    "pdserve_kv_load_fallbacks_total",
-    "pdserve_prefill_retries_total",
-    "pdserve_requests_total",
-)
-MODEL = ["tiny-llama"]  # what the router serves: pdserve up names the model by its path
-FAULTS = ("none", "kill_decode", "stop_decode", "kill_prefill", "kill_redis", "stop_redis")
+SIGNAL_FAULTS = ("kill_decode", "stop_decode", "kill_prefill", "stop_prefill", "kill_redis", "stop_redis")  # fmt: skip
+POISON_FAULTS = tuple(f"{k}_records" for k in chaos_poison.FS_KINDS)
+FAULTS = ("none", *SIGNAL_FAULTS, *POISON_FAULTS, "disconnect")
+DEFAULT_FAULTS = {
+    "redis": ("none", *SIGNAL_FAULTS, "garbage_records", "forged_records", "disconnect"),
+    "fs": ("none", *SIGNAL_FAULTS[:4], *POISON_FAULTS, "disconnect"),
+    "p2p": ("none", *SIGNAL_FAULTS[:4], "disconnect"),
+}
+WORDS = ["grey", "calm", "stormy", "silver", "dark", "quiet", "wide", "cold"] * 2
 PROMPTS = [
     f"Story {i}: the keeper of the lighthouse looked out over the {w} sea and"
-    for i, w in enumerate(["grey", "calm", "stormy", "silver", "dark", "quiet", "wide", "cold"] * 2)
+    for i, w in enumerate(WORDS)
+]
+# Longer prompts (several KV blocks each), used only by the poisoning phases.
+POISON_PROMPTS = [
+    f"Record {i}: on the {w} morning the harbour master wrote in the ledger that the ships "
+    f"from the north had come in late, that the fishermen of the {w} bay were mending nets "
+    f"on the quay, that the lamp oil was low again and that the keeper"
+    for i, w in enumerate(WORDS)
 ]
 
 
@@ -67,117 +94,132 @@ def build_model(out_dir: Path) -> Path:
     return out_dir
 
 
-class Cluster:
-    """The running ``pdserve up``: its children's pids (``status.json``) and health."""
+def store_of(cluster: Cluster, args: argparse.Namespace) -> Path | str:
+    """The fs store's directory, or the private redis-server's URL."""
+    return args.kv_path if args.connector == "fs" else cluster.redis_url()
 
-    def __init__(self, up: PdserveUp) -> None:
-        self.up = up
-        self.base = f"http://127.0.0.1:{up.port}"
-        line = next(s for s in up.lines if "status.json" in s)
-        self.status_path = Path(line.split(" in ", 1)[1].strip())
 
-    def children(self) -> dict[str, dict[str, Any]]:
-        return {c["name"]: c for c in json.loads(self.status_path.read_text())["children"]}
+async def seed_records(base: str, expected: dict[str, str], args: argparse.Namespace) -> list[Outcome]:  # fmt: skip
+    """Each poison prompt once, concurrently (the prefill instances save their records)."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
+                                timeout=args.request_timeout)  # fmt: skip
 
-    def signal(self, name: str, signum: int) -> None:
-        os.kill(int(self.children()[name]["pid"]), signum)
-
-    def healthy(self) -> bool:
+    async def seed(p: str) -> Outcome:
+        t0 = time.monotonic()
         try:
-            body = httpx.get(f"{self.base}/health", timeout=2).json()
-        except (httpx.HTTPError, ValueError):
-            return False
-        pools = [body.get(p, {}) for p in ("prefill", "decode")]
-        up = all(p.get("healthy") == p.get("total") == 2 for p in pools)
-        return up and all(c["state"] == "running" for c in self.children().values())
+            text = await one(client, p, args.max_tokens)
+        except (openai.APIError, httpx.HTTPError) as e:
+            return Outcome(False, False, time.monotonic() - t0, type(e).__name__)
+        return Outcome(True, text == expected[p], time.monotonic() - t0)
 
-    def counters(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base}/metrics", timeout=5).text
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name in COUNTERS:
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                    out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-
-def fault_action(cluster: Cluster, fault: str, pause_s: float) -> Callable[[], Awaitable[None]]:
-    """The injection of ``fault`` (a no-op for ``none``); a paused child is always resumed."""
-    verb, _, target = fault.partition("_")
-    name = {"decode": "decode-0", "prefill": "prefill-0", "redis": "redis"}.get(target, "")
-
-    async def inject() -> None:
-        if verb == "kill":
-            cluster.signal(name, signal.SIGKILL)
-        elif verb == "stop":
-            cluster.signal(name, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(pause_s)
-            finally:
-                cluster.signal(name, signal.SIGCONT)
-
-    return inject
-
-
-async def one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
-    stream = await client.completions.create(
-        model=MODEL[0], prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    return "".join([c.choices[0].text async for c in stream if c.choices])
+    try:
+        return list(await asyncio.gather(*(seed(p) for p in POISON_PROMPTS)))
+    finally:
+        await client.close()
 
 
 async def run_phase(
-    cluster: Cluster, fault: str, expected: list[str], args: argparse.Namespace
+    cluster: Cluster, fault: str, expected: dict[str, str], args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
-    client = openai.AsyncOpenAI(
-        base_url=f"{cluster.base}/v1", api_key="x", max_retries=0, timeout=args.request_timeout
-    )
-    outcomes: list[Outcome] = []
-    before = cluster.counters()
-    end = time.monotonic() + args.phase_seconds
-
-    async def worker(w: int) -> None:
-        i = w
-        while time.monotonic() < end:
-            p, i = i % len(PROMPTS), i + args.concurrency
-            t0 = time.perf_counter()
-            try:
-                text = await one(client, PROMPTS[p], args.max_tokens)
-                outcomes.append(Outcome(True, text == expected[p], time.perf_counter() - t0))
-            except openai.APIStatusError as e:
-                outcomes.append(
-                    Outcome(False, False, time.perf_counter() - t0, f"HTTP {e.status_code}")
-                )
-            except (openai.APIError, httpx.HTTPError) as e:
-                outcomes.append(Outcome(False, False, time.perf_counter() - t0, type(e).__name__))
+    poisoned: int | None = None
+    prompts = POISON_PROMPTS if fault in POISON_FAULTS else PROMPTS
+    seeded: dict[str, Any] | None = None
+    if fault in POISON_FAULTS:
+        # Records of every poison prompt in the store (a store restart may have emptied
+        # it), then decode instances that have none of them cached, then the poison.
+        await asyncio.to_thread(chaos_poison.clear_store, store_of(cluster, args))
+        seeded = summarize(await seed_records(cluster.base, expected, args))
+        await restart_decodes(cluster, args.recovery_timeout)
+        poisoned = await asyncio.to_thread(
+            chaos_poison.poison_store,
+            store_of(cluster, args),
+            fault,
+            args.poison_share,
+            1000 * seed,
+        )
+    before, svc_before = cluster.router_counters(), cluster.service_counters()
+    start = time.monotonic()
+    hit = start if fault in POISON_FAULTS else start + args.fault_at
+    recovered: float | None = None
 
     async def fault_then_recovery() -> float | None:
-        await asyncio.sleep(args.fault_at)
-        hit = time.monotonic()
-        await fault_action(cluster, fault, args.pause_seconds)()
-        deadline = time.monotonic() + args.recovery_timeout
+        await asyncio.sleep(max(0.0, hit - time.monotonic()))
+        if fault in SIGNAL_FAULTS:
+            await inject_signal(cluster, fault, args.pause_seconds)
+        if fault in POISON_FAULTS:
+            repoison.append(asyncio.create_task(keep_poisoning()))
         await asyncio.sleep(0.5)
-        while not await asyncio.to_thread(cluster.healthy):
-            if time.monotonic() > deadline:
-                return None
-            await asyncio.sleep(0.25)
-        return round(time.monotonic() - hit, 2)
+        waited = await wait_until(cluster.healthy, args.recovery_timeout)
+        return None if waited is None else round(time.monotonic() - hit, 2)
+
+    repoison: list[asyncio.Task[None]] = []
+
+    async def keep_poisoning() -> None:
+        # Again and again through the phase: a record rewritten by a prefill's save between
+        # two rounds is poisoned again before some decode reads it (the prefill's save
+        # replaces a FIFO or an oversized file at once, before any decode could read it).
+        nonlocal poisoned
+        n = 0
+        while time.monotonic() < start + args.phase_seconds - args.repoison_every:
+            await asyncio.sleep(args.repoison_every)
+            n += 1
+            got = await asyncio.to_thread(
+                chaos_poison.poison_store,
+                store_of(cluster, args),
+                fault,
+                args.poison_share,
+                1000 * seed + n,
+            )
+            poisoned = (poisoned or 0) + got
 
     recovery = asyncio.create_task(fault_then_recovery())
-    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    outcomes = await load(cluster.base, prompts, [expected[p] for p in prompts], args,
+                          hang_up=fault == "disconnect")  # fmt: skip
     recovered = await recovery
-    await client.close()
-    after = cluster.counters()
-    moved = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+    for task in repoison:
+        await task
+    left = None
+    if fault in POISON_FAULTS:
+        if args.connector == "fs":
+            left = chaos_poison.special_files(args.kv_path)
+        await asyncio.to_thread(chaos_poison.clear_store, store_of(cluster, args))
+    if fault == "disconnect":  # recovered: every service idle again after the hang-ups
+        hit = time.monotonic()
+        recovered = await wait_until(cluster.idle, args.recovery_timeout)
     return {
         "fault": fault,
+        "poisoned": poisoned,
+        "seed_requests": seeded,
+        "special_files_left": left,
         "summary": summarize(outcomes),
         "recovered_s": recovered if fault != "none" else None,
-        "router_counters": {k: v for k, v in moved.items() if v},
+        "first_ok_s": first_ok_after(outcomes, hit) if fault != "none" else None,
+        "router_counters": counter_delta(before, cluster.router_counters()),
+        "service_counters": _sum_services(svc_before, cluster.service_counters()),
+        "idle_gauges_after": cluster.gauges() if fault == "disconnect" else None,
         "restarts": {n: c["restarts"] for n, c in cluster.children().items()},
     }
+
+
+def _sum_services(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:  # fmt: skip
+    """Each service's counter deltas, summed over services by counter."""
+    total: dict[str, float] = {}
+    for name, now in after.items():
+        for k, v in counter_delta(before.get(name, {}), now).items():
+            total[k] = round(total.get(k, 0.0) + v, 3)
+    return total
+
+
+def up_argv(model: Path, args: argparse.Namespace) -> list[str]:
+    argv = [
+        sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "2",
+        "--decode", "2", "--connector", args.connector, "--port", str(free_port()),
+        "--torch-threads", "1", "--kv-cache-memory", "64Mi", "--max-restarts", "10",
+        "--shutdown-grace", "10",
+    ]  # fmt: skip
+    if args.connector == "fs":
+        argv += ["--kv-path", str(args.kv_path)]
+    return argv + (["--log-dir", str(args.log_dir)] if args.log_dir else [])
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,18 +227,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         model = build_model(Path(tmp) / "tiny-llama")
         MODEL[0] = str(model)
-        argv = [
-            sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "2",
-            "--decode", "2", "--connector", args.connector, "--port", str(free_port()),
-            "--torch-threads", "1", "--kv-cache-memory", "64Mi", "--max-restarts", "10",
-            "--shutdown-grace", "10",
-        ]  # fmt: skip
-        with PdserveUp(argv, args.startup_timeout) as up:
-            cluster = Cluster(up)
+        args.kv_path = Path(tmp) / "kv"
+        with PdserveUp(up_argv(model, args), args.startup_timeout) as up:
+            assert up.proc is not None
+            cluster = Cluster(f"http://127.0.0.1:{up.port}", up.lines, up.proc.pid)
             client = openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="x", max_retries=0)
-            expected = [await one(client, p, args.max_tokens) for p in PROMPTS]
+            expected = {p: await one(client, p, args.max_tokens) for p in PROMPTS + POISON_PROMPTS}
             await client.close()
-            phases = [await run_phase(cluster, f, expected, args) for f in args.faults]
+            await wait_until(cluster.idle, args.recovery_timeout)
+            store_dir = args.kv_path if args.connector == "fs" else None
+            soak_before = cluster.soak(store_dir)
+            phases = []
+            for seed, fault in enumerate(args.faults):
+                phases.append(await run_phase(cluster, fault, expected, args, seed))
+                print(json.dumps(phases[-1]["summary"] | {"fault": fault}), flush=True)
+            await wait_until(cluster.idle, args.recovery_timeout)
+            soak_after = cluster.soak(store_dir)
     return {
         "benchmark": "chaos",
         "command": shlex.join([".venv/bin/python", "benchmarks/chaos.py", *sys.argv[1:]]),
@@ -206,39 +252,58 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg(),
-        },
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "md")},
+            "loadavg_end": os.getloadavg(),
+        },  # fmt: skip
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("out", "md", "kv_path")
+        },  # fmt: skip
         "startup_s": round(up.startup_s, 1),
         "total_s": round(time.perf_counter() - started, 1),
         "phases": phases,
+        "soak": {"before": soak_before, "after": soak_after},
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
-    ap.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
+    ap.add_argument("--connector", default="redis", choices=["redis", "fs", "p2p"])
+    ap.add_argument("--faults", nargs="+", choices=FAULTS,
+                    help="phases in order (default: every one that applies to --connector)")  # fmt: skip
+    ap.add_argument("--concurrency", type=int, default=16, help="concurrent streams")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--phase-seconds", type=float, default=25.0)
     ap.add_argument("--fault-at", type=float, default=5.0, help="seconds into a phase")
     ap.add_argument("--pause-seconds", type=float, default=8.0, help="SIGSTOP length")
+    ap.add_argument("--poison-share", type=float, default=0.5, help="share of records poisoned")
+    ap.add_argument("--repoison-every", type=float, default=2.0, help="seconds between poisonings")
     ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--recovery-timeout", type=float, default=90.0)
+    ap.add_argument("--recovery-timeout", type=float, default=120.0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--log-dir", type=Path, help="keep pdserve up's child logs here")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
-    ap.add_argument("--md", type=Path, help="write the markdown table here")
-    ap.add_argument("--connector", default="redis", choices=["redis", "fs", "p2p"])
+    ap.add_argument("--md", type=Path, help="write the markdown tables here")
     args = ap.parse_args()
+    args.faults = args.faults or list(DEFAULT_FAULTS[args.connector])
     if args.connector != "redis" and any(f.endswith("_redis") for f in args.faults):
         ap.error("the redis faults need --connector redis")
+    if args.connector == "p2p" and any(f in POISON_FAULTS for f in args.faults):
+        ap.error("record poisoning needs a store: --connector fs or redis")
+    if args.connector == "redis" and {"fifo_records", "oversized_records"} & set(args.faults):
+        ap.error("fifo_records and oversized_records are fs faults (--connector fs)")
+    if not 0 < args.poison_share <= 1:
+        ap.error("--poison-share must be in (0, 1]")
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
     if args.md:
-        args.md.write_text(markdown_table(result["phases"]))
+        soak = result["soak"]
+        args.md.write_text(
+            markdown_table(result["phases"]) + "\n" + soak_table(soak["before"], soak["after"])
+        )
 
 
 if __name__ == "__main__":
