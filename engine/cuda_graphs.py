@@ -13,6 +13,15 @@ graphs are for ``attention_backend="triton"`` only.
 
 Rows past the live batch are padding: slot -1 (nothing written), sequence length 0
 (nothing read), token 0 at position 0; their logits are discarded.
+
+Tensor parallelism: each rank captures its own graphs, collectives (its shard's
+all-reduces, the logits' all-gather) included. ``capture`` is then itself collective: every
+rank calls it at the same point with the same buckets (its warm-up passes run the
+collectives eagerly, so they must meet), after a warm-up collective has made NCCL's
+communicator (``TPGroup.warm_up``), since creating one inside a capture fails. A replay's
+collectives wait on the other ranks' replays of the same bucket: ranks choose the same
+bucket because they run the same step inputs. Nothing in a replay has a deadline, so rank 0
+watches the steps (``engine/tp_watch.py``).
 """
 
 from __future__ import annotations
@@ -100,6 +109,7 @@ class DecodeGraphs:
         self.buffers = DecodeBuffers.allocate(self.buckets[-1], max_blocks_per_req, device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0  # steps served by a graph (tests and logs read it)
 
     @property
     def max_batch_size(self) -> int:
@@ -167,4 +177,5 @@ class DecodeGraphs:
             b.slot_mapping[n:bs].fill_(-1)
             b.seq_lens[n:bs].zero_()
         self._graphs[bs].replay()
+        self.num_replays += 1
         return self._outputs[bs][:n]

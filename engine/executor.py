@@ -36,6 +36,12 @@ class Executor(Protocol):
         """``ModelRunner.execute``'s contract: float32 logits of the step's rows."""
         ...
 
+    def check(self) -> None:
+        """Raise ``ExecutorFailure`` if a step launched since the last check may have
+        computed wrong logits (a tensor-parallel rank was lost while it ran). The engine
+        calls it after a step's results reached the host, before they leave the engine."""
+        ...
+
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes); idempotent."""
         ...
@@ -51,6 +57,9 @@ class UniprocExecutor:
         self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         return self.runner.execute(scheduled, input_ids)
+
+    def check(self) -> None:
+        pass  # one process: nothing can be lost behind its back
 
     def shutdown(self) -> None:
         pass

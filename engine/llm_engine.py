@@ -195,6 +195,14 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. ``ExecutorFailure`` (the engine is dead for good) when the
+        executor lost a tensor-parallel rank while a step ran: its outputs are dropped,
+        they may come from wrong logits."""
+        outputs = self._step()
+        self.executor.check()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.guided.has_pending():
             outputs += self._admit_guided()

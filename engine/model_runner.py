@@ -85,6 +85,10 @@ class ModelRunner:
         )
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self._inputs = InputBuilder(self.device, self.block_size, self.max_blocks_per_req)
+        if self.tp.size > 1:
+            # Every rank, here: NCCL's communicator must exist before graphs capture its
+            # collectives; on the CPU it checks the gloo group the same way.
+            self.tp.warm_up(self.device)
         self.graphs = self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s), attention backend %s",
@@ -98,18 +102,19 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
         backend that reads only device tensors: ``triton``, or one with
-        ``captures_decode`` (engine/attention/base.py: flash_attn, auto)."""
+        ``captures_decode`` (engine/attention/base.py: flash_attn, auto).
+
+        Under tensor parallelism every rank captures its own graphs, with its shard's
+        all-reduces and the logits' all-gather inside, from the same config and so the
+        same buckets in the same order (the capture's warm-up passes are collectives).
+        Ranks replay in step because each runs ``run`` on the same step inputs, and the
+        graph choice depends only on them."""
         if (
             self.device.type != "cuda"
             # triton, or a backend whose decode steps are Triton's (flash_attn, auto)
             or not (self.backend.name == "triton" or self.backend.captures_decode)
             or not self.config.cuda_graphs
         ):
-            return None
-        if self.tp.size > 1:
-            # Capturing the all-reduces needs every rank to capture and replay in step;
-            # not built yet, so tensor-parallel decode steps run eagerly.
-            logger.info("CUDA graphs are off under tensor parallelism (not supported yet)")
             return None
         graphs = DecodeGraphs(
             lambda ids, pos, meta: self.model.compute_logits(

@@ -27,11 +27,11 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
 from engine.step_wire import OP_KV, OP_SHUTDOWN, Header, pack
 from engine.tp_group import TPError, TPGroup, startup_timeout, timedelta
+from engine.tp_watch import StepWatch, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,16 @@ class BroadcastStats:
         return 1e6 * self.seconds / self.steps if self.steps else 0.0
 
 
-def _describe(proc: subprocess.Popen[bytes], rank: int) -> str:
-    code = proc.poll()
-    if code is None:
-        return f"rank {rank} (pid {proc.pid}) is running"
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-    return f"rank {rank} (pid {proc.pid}) exited with {how}"
+def _abort_group(ref: weakref.ref[MultiprocExecutor]) -> Callable[[str], None]:
+    """``StepWatch``'s callback: abort the executor's group. Through a weak reference, so
+    the watch thread does not keep a dropped executor (and its workers) alive."""
+
+    def abort(reason: str) -> None:
+        executor = ref()
+        if executor is not None:
+            executor.tp.abort()
+
+    return abort
 
 
 def _stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
@@ -156,6 +161,11 @@ class MultiprocExecutor:
         self._procs = [self._spawn(config, r, max_model_len) for r in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, 2.0)
         self.tp = TPGroup.single()
+        # On CUDA a collective waiting on a dead or hung peer has no deadline of its own
+        # inside a CUDA graph: rank 0 watches (engine/tp_watch.py), from start-up on.
+        self._watch: StepWatch | None = None
+        if config.device != "cpu":
+            self._watch = StepWatch(self._procs, self.timeout_s, _abort_group(weakref.ref(self)))
         try:
             self._await_workers()
             device = device_for_rank(config.device, 0)
@@ -167,7 +177,8 @@ class MultiprocExecutor:
         except Exception as e:
             # Say how the workers ended before stopping them; other errors (a bad
             # checkpoint on rank 0, ...) pass through unchanged.
-            error = self._error(e, "start-up") if isinstance(e, _FAILURES) else None
+            lost = self._watch is not None and self._watch.reason is not None
+            error = self._error(e, "start-up") if lost or isinstance(e, _FAILURES) else None
             self.shutdown()
             if error is not None:
                 raise error from e
@@ -222,7 +233,7 @@ class MultiprocExecutor:
         for p in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
-        dead = [_describe(p, r) for r, p in enumerate(self._procs, 1) if p.poll() is not None]
+        dead = [describe_exit(p, r) for r, p in enumerate(self._procs, 1) if p.poll() is not None]
         ranks = "; ".join(dead) if dead else "no worker exited"
         return TensorParallelError(
             f"tensor-parallel {when} failed ({self.size} ranks): {ranks}. Cause: {cause}"
@@ -231,6 +242,22 @@ class MultiprocExecutor:
     def _check_workers(self) -> None:
         if any(p.poll() is not None for p in self._procs):
             raise TensorParallelError("a worker is gone")
+        if self._watch is not None and self._watch.reason is not None:
+            raise TensorParallelError(self._watch.reason)
+
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` if the instance was lost since the last step
+        launched (the watch fired: a worker exited or a GPU step passed its deadline). The
+        engine calls it after reading a step's results and before handing them out: the
+        logits of a step whose collectives were aborted are garbage."""
+        if self._failed is not None:
+            raise self._failed
+        if self._watch is None or self._watch.reason is None:
+            return
+        self._failed = self._error(TensorParallelError(self._watch.reason), "step")
+        logger.error("%s", self._failed)
+        self._teardown(grace_s=0.0)
+        raise self._failed
 
     def execute(
         self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
@@ -254,7 +281,12 @@ class MultiprocExecutor:
             if input_ids is not None:
                 self.tp.broadcast(input_ids.contiguous(), host=False)
             self.stats.record(time.perf_counter() - start)
-            return runner.run(runner.to_device(host, input_ids))
+            logits = runner.run(runner.to_device(host, input_ids))
+            if self._watch is not None:
+                done = torch.cuda.Event()
+                done.record()
+                self._watch.launched(done)
+            return logits
         except _FAILURES as e:
             self._failed = self._error(e, "step")
             logger.error("%s", self._failed)
@@ -284,6 +316,8 @@ class MultiprocExecutor:
             raise self._failed from e
 
     def _teardown(self, grace_s: float) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         self._finalizer.detach()
         _stop_workers(self._procs, grace_s)
         self.tp.close()
@@ -293,6 +327,8 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.stop()  # the workers are about to exit on purpose
         bye = Header(OP_SHUTDOWN).encode()
         for p in self._procs:
             try:

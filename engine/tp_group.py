@@ -134,6 +134,32 @@ class TPGroup:
         self._wait(work, "all-reduce (min)")
         return int(t.item())
 
+    def warm_up(self, device: torch.device) -> None:
+        """One all-reduce and one all-gather on the model's group, waited for: NCCL makes
+        its communicator at the first collective, which must happen before a CUDA graph
+        capture records collectives (docs/design.md §3, tensor parallelism). Every rank
+        calls it at the same point. ``TPError`` if the sum is wrong (a broken group)."""
+        ones = torch.ones(1, dtype=torch.float32, device=device)
+        total = self.all_reduce(ones.clone())
+        ranks = self.all_gather(torch.full((1,), float(self.rank), device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        expected = [float(r) for r in range(self.size)]
+        if total.item() != self.size or ranks.tolist() != expected:
+            raise TPError(
+                f"tensor-parallel warm-up on rank {self.rank}: all-reduce gave {total.item()} "
+                f"(expected {self.size}), all-gather {ranks.tolist()} (expected {expected})"
+            )
+
+    def abort(self) -> None:
+        """Abort the model's group from any thread, keeping the objects: NCCL kernels
+        waiting on a dead or hung peer return (inside a replayed CUDA graph too, which no
+        watchdog times out), and later collectives fail with ``TPError``. ``close`` still
+        runs afterwards."""
+        pg = self.pg  # ``close`` may clear it meanwhile
+        if self.nccl and pg is not None:
+            abort_group(pg, "tensor-parallel group")
+
     def close(self) -> None:
         """Abort the groups (NCCL: its communicators) so nothing waits on a dead peer."""
         groups = {id(g): g for g in (self.pg, self.host_pg) if g is not None}
