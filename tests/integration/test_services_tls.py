@@ -8,6 +8,7 @@ abort it. A router holding the right certificate serves through it to the ``open
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pdserve.procs import free_ports, grpc_probe
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.router_support import metric
+from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess, descendants
 from tests.service_fixtures import (
     SMALL_ENGINE_ARGS,
     ProcessStack,
@@ -200,3 +202,40 @@ def test_a_service_with_incomplete_tls_files_exits_with_a_clear_error(
     assert proc.wait(timeout=120) == 2
     log = (tmp_path / "bad-tls.log").read_text()
     assert message in log and "cannot start" in log, log
+
+
+def test_up_runs_its_services_and_router_over_mtls(
+    guarded: Guarded, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    pair = guarded.pki.service  # names 127.0.0.1, for TLS server and client use
+    (port,) = free_ports(1)
+    tls = ("--grpc-tls-cert", str(pair.cert), "--grpc-tls-key", str(pair.key))
+    up = UpProcess(
+        tmp_path,
+        *("--model", str(tiny_model_dir), "--port", str(port), *SMALL),
+        *(*tls, "--grpc-tls-ca", str(pair.ca)),
+    )
+    try:
+        up.wait_for("pdserve is ready", READY_TIMEOUT_S)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=60, max_retries=0
+        )
+        reply = client.completions.create(
+            model=str(tiny_model_dir), prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        decode_port = next(
+            argv[argv.index(b"--port") + 1].decode()
+            for argv in (
+                Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                for pid in descendants(up.proc.pid)
+            )
+            if b"decode" in argv
+        )
+        address = f"127.0.0.1:{decode_port}"
+        assert _refused(grpc.insecure_channel(address)) == grpc.StatusCode.UNAVAILABLE
+        assert _refused(_channel(address, guarded.pki.rogue)) == grpc.StatusCode.UNAVAILABLE
+        up.proc.send_signal(signal.SIGTERM)  # a clean stop removes the run's directory
+        assert up.proc.wait(timeout=90) == 0, up.output()
+    finally:
+        up.kill_tree()
