@@ -97,7 +97,8 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def make_engine(model: str, backend: str, graphs: bool, opts: str = "") -> Any:
     """``opts``: comma-separated variant flags: ``unfused`` (EngineConfig.fused_ops off),
-    ``sync`` (async scheduling off), ``cublas`` (every projection through cuBLAS, no GEMV)."""
+    ``sync`` (async scheduling off), ``cublas`` (every projection through cuBLAS, no GEMV),
+    ``fp8`` (FP8 weights quantized at load, docs/quantization.md)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.models.triton_ops import TritonOps
@@ -117,6 +118,7 @@ def make_engine(model: str, backend: str, graphs: bool, opts: str = "") -> Any:
         cuda_graphs=graphs,
         fused_ops="unfused" not in flags,
         async_scheduling=False if "sync" in flags else None,
+        quantization="fp8" if "fp8" in flags else None,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -303,6 +305,8 @@ def e2e_plan(plan: str) -> list[PlanRow]:
             (big, "triton", True, ["gpu_step", "decode_b1"], "cublas"),
             (small, "triton", True, ["gpu_step", "decode_b1", "thr_1k_1k"], ""),
         ]
+    if plan == "fp8":  # 8B batch-1 decode, bf16 weights then FP8 weights
+        return [(big, "triton", True, ["gpu_step", "decode_b1"], o) for o in ("", "fp8")]
     if plan == "vs_hf":  # the 10x comparison alone: 8B throughput and transformers
         return [(big, "triton", True, ["thr_1k_1k", "thr_1k_16"], ""), (big, "hf", False, [], "")]
     if plan == "fused":
@@ -314,7 +318,7 @@ def e2e_plan(plan: str) -> list[PlanRow]:
             (small, "triton", True, ["gpu_step", "decode_b1"], "unfused"),
         ]
     if plan != "full":
-        raise ValueError(f"--plan must be full, quick, fused, async or vs_hf, got {plan!r}")
+        raise ValueError(f"--plan must be full, quick, fused, async, fp8 or vs_hf, got {plan!r}")
     rows: list[PlanRow] = []
     for model in MODELS:
         rows += [(model, "triton", True, full, ""), (model, "hf", False, [], "")]
@@ -326,10 +330,15 @@ def e2e_plan(plan: str) -> list[PlanRow]:
     return rows
 
 
-def run_e2e(res: Results, sections: list[str], deadline: float, plan: str = "full") -> None:
+def run_e2e(
+    res: Results, sections: list[str], deadline: float, plan: str = "full", quant: str = ""
+) -> None:
+    """``quant``: "fp8" adds the ``fp8`` flag to every engine row (``--quantization``)."""
     for model in MODELS:
         res.put("models", model, model_numbers(model))
     for model, backend, graphs, rows, opts in e2e_plan(plan):
+        if quant and backend != "hf" and quant not in opts.split(","):
+            opts = ",".join(filter(None, (opts, quant)))
         key = f"{model}/{backend}/{graphs}/{opts or 'default'}"
         if time.monotonic() >= deadline:
             res.put("skipped", key, "run budget spent")
@@ -363,9 +372,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--plan",
         default="full",
-        choices=["full", "quick", "fused", "async", "vs_hf"],
+        choices=["full", "quick", "fused", "async", "fp8", "vs_hf"],
         help="e2e variants (see e2e_plan): full, quick (GPU step + batch-1 only), fused / "
-        "async (before/after rows)",
+        "async (before/after rows), fp8 (8B batch-1, bf16 vs FP8 weights)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="every engine row with FP8 weights quantized at load",
     )
     p.add_argument(
         "--gemv-sweep", type=Path, default=None, help="gemv_sweep.py JSON to use as the GEMV table"
@@ -390,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     if "kernels" in sections:
         run_kernels(res, dev, args.tiny, sweep=not args.no_sweep, only=args.kernels)
     if "e2e" in sections or "hf" in sections:
-        run_e2e(res, sections, deadline, plan=args.plan)
+        run_e2e(res, sections, deadline, plan=args.plan, quant=args.quantization or "")
     if args.md is not None:
         args.md.write_text(render_markdown(res.data))
     print(summarize(res.data))
