@@ -45,6 +45,7 @@ from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
 from engine.step_wire import OP_KV, OP_SHUTDOWN, Header, pack
 from engine.tp_group import TPError, TPGroup, startup_timeout, timedelta
+from engine.tp_procs import check_gpus, device_for_rank, stop_workers
 from engine.tp_watch import StepWatch, describe_exit
 
 logger = logging.getLogger(__name__)
@@ -57,39 +58,6 @@ class TensorParallelError(ExecutorFailure):
 
 
 _FAILURES = (TPError, TensorParallelError, OSError)
-
-
-def device_for_rank(device: str, rank: int) -> str:
-    """``cpu`` for every rank; on CUDA rank r takes the r-th GPU from the configured one."""
-    if device == "cpu":
-        return device
-    base = int(device.partition(":")[2] or 0)
-    return f"cuda:{base + rank}"
-
-
-def check_gpus(device: str, size: int, available: int) -> None:
-    """``ValueError`` unless GPUs ``base .. base + size - 1`` of ``device`` (``cuda`` or
-    ``cuda:base``) are among the ``available`` visible ones: one GPU per rank, never two
-    ranks on one GPU (NCCL refuses that, and the shards would not fit anyway)."""
-    base = int(device.partition(":")[2] or 0)
-    if base + size <= available:
-        return
-    if available == 0:
-        raise ValueError(
-            f"tensor_parallel_size {size} on {device} needs {size} GPUs, but no GPU is "
-            "visible (check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'"
-        )
-    if base >= available:
-        raise ValueError(
-            f"{device} does not exist: {available} GPU(s) are visible (0..{available - 1})"
-        )
-    fits = available - base
-    raise ValueError(
-        f"tensor_parallel_size {size} on {device} needs GPUs {base}..{base + size - 1}, but "
-        f"only {available} are visible (0..{available - 1}): use tensor_parallel_size <= "
-        f"{fits} from {device}, a lower starting GPU, or make more GPUs visible "
-        "(CUDA_VISIBLE_DEVICES)"
-    )
 
 
 @dataclass(slots=True)
@@ -122,21 +90,6 @@ def _abort_group(ref: weakref.ref[MultiprocExecutor]) -> Callable[[str], None]:
     return abort
 
 
-def _stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """Close every worker's stdin (a worker exits on EOF), then kill what is still there."""
-    for p in procs:
-        if p.stdin is not None and not p.stdin.closed:
-            with contextlib.suppress(OSError):
-                p.stdin.close()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 class MultiprocExecutor:
     """Rank 0 of ``config.tensor_parallel_size`` ranks; see the module docstring."""
 
@@ -159,7 +112,7 @@ class MultiprocExecutor:
             use_libuv=True,
         )
         self._procs = [self._spawn(config, r, max_model_len) for r in range(1, size)]
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, 2.0)
+        self._finalizer = weakref.finalize(self, stop_workers, self._procs, 2.0)
         self.tp = TPGroup.single()
         # On CUDA a collective waiting on a dead or hung peer has no deadline of its own
         # inside a CUDA graph: rank 0 watches (engine/tp_watch.py), from start-up on.
@@ -319,7 +272,7 @@ class MultiprocExecutor:
         if self._watch is not None:
             self._watch.stop()
         self._finalizer.detach()
-        _stop_workers(self._procs, grace_s)
+        stop_workers(self._procs, grace_s)
         self.tp.close()
 
     def shutdown(self) -> None:

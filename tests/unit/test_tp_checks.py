@@ -1,11 +1,11 @@
 """Tensor-parallel start-up checks that need no GPU: which GPU each rank takes and the
-refusal of a size the visible GPUs cannot hold (``engine/tp_executor.py``)."""
+refusal of a size the visible GPUs cannot hold (``engine/tp_procs.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.tp_executor import check_gpus, device_for_rank
+from engine.tp_procs import check_gpus, device_for_rank
 
 
 def test_each_rank_takes_the_next_gpu() -> None:

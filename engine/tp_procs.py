@@ -1,0 +1,57 @@
+"""The tensor-parallel worker processes seen from rank 0: which device each rank takes,
+whether the visible GPUs can hold the ranks (checked before any process starts), and
+stopping them (``engine/tp_executor.py`` starts them)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+
+
+def device_for_rank(device: str, rank: int) -> str:
+    """``cpu`` for every rank; on CUDA rank r takes the r-th GPU from the configured one."""
+    if device == "cpu":
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def check_gpus(device: str, size: int, available: int) -> None:
+    """``ValueError`` unless GPUs ``base .. base + size - 1`` of ``device`` (``cuda`` or
+    ``cuda:base``) are among the ``available`` visible ones: one GPU per rank, never two
+    ranks on one GPU (NCCL refuses that, and the shards would not fit anyway)."""
+    base = int(device.partition(":")[2] or 0)
+    if base + size <= available:
+        return
+    if available == 0:
+        raise ValueError(
+            f"tensor_parallel_size {size} on {device} needs {size} GPUs, but no GPU is "
+            "visible (check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'"
+        )
+    if base >= available:
+        raise ValueError(
+            f"{device} does not exist: {available} GPU(s) are visible (0..{available - 1})"
+        )
+    fits = available - base
+    raise ValueError(
+        f"tensor_parallel_size {size} on {device} needs GPUs {base}..{base + size - 1}, but "
+        f"only {available} are visible (0..{available - 1}): use tensor_parallel_size <= "
+        f"{fits} from {device}, a lower starting GPU, or make more GPUs visible "
+        "(CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Close every worker's stdin (a worker exits on EOF), then kill what is still there."""
+    for p in procs:
+        if p.stdin is not None and not p.stdin.closed:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
