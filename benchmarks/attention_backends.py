@@ -5,6 +5,7 @@ shape: 32 query heads, 8 KV heads, dim 128, bf16, 16-token pages): batch-1 decod
 and batch-256 decode, one 2k prefill, chunked prefill 4 x 512 queries over a 2k context, and
 a longer chunk (2k queries over 8k). Each shape: both kernels on the same cache and
 metadata, their outputs compared, median of CUDA-event timings (triton.testing.do_bench).
+``--e2e`` adds engine rows (attention_backends_e2e.py): ``auto`` vs ``triton``.
 
     python3 benchmarks/attention_backends.py --out benchmarks/attention_backends_h200.json
 
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON results file")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench time per kernel")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    ap.add_argument("--e2e", action="store_true", help="also the engine rows, auto vs triton")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -110,6 +112,15 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(markdown(rows))
+    if args.e2e:
+        from benchmarks.attention_backends_e2e import e2e_markdown, run_e2e
+
+        def save(e2e: dict[str, object]) -> None:
+            result["e2e"] = e2e
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+
+        print(e2e_markdown(run_e2e(save)))
 
 
 def _version(dist: str) -> str:

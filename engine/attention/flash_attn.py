@@ -7,8 +7,10 @@ paged varlen entry point and our Triton kernel (engine/attention/triton_backend.
 
 - ``policy="flash_attn"`` (``--attention-backend flash_attn``): FA4 for every step with a
   query longer than one token (prefill, chunked prefill, mixed batches); pure decode stays
-  on Triton, which the H200 table (``SHAPE_TABLE``) measures as faster or equal there.
-- ``policy="auto"``: FA4 only for the step shapes where the table measured it faster.
+  on Triton, which the H200 table (``SHAPE_TABLE``) measures as faster there.
+- ``policy="auto"``: FA4 only for the step shapes where the table measured it faster (on
+  the H200: prefill and chunked prefill, so the two policies differ only where FA4
+  cannot run: float32, where auto uses Triton and flash_attn raises).
 
 FA4 reads our cache as it is: ``kv_cache[0]``/``kv_cache[1]`` are
 ``[num_blocks, block_size, kv_heads, head_dim]`` pages, ``block_tables`` its ``page_table``,
@@ -61,13 +63,13 @@ class ShapeRule:
 
 
 # Kernel times on one H200, 8B head shape (32 query heads, 8 KV heads, dim 128, bf16,
-# 16-token pages), FA4 4.0.0b36 vs our Triton kernel on the same cache; reproduced by
-# benchmarks/attention_backends.py, recorded in benchmarks/gpu_h200.md ("Attention
-# backends"). "chunked_prefill" = a query chunk over a cached context at least as long.
+# 16-token pages), FA4 4.0.0b36 vs our Triton kernel on the same cache, from
+# benchmarks/attention_backends.py (benchmarks/gpu_h200.md, "Attention backends", run of
+# 2026-12-01; JSON benchmarks/attention_backends_h200.json).
 SHAPE_TABLE: tuple[ShapeRule, ...] = (
-    ShapeRule("decode", "triton", "batch 1 x 512: 0.16 vs 0.11; 64 x 2k: equal"),
-    ShapeRule("prefill", "triton", "one 2k prompt: 0.147 vs 0.133"),
-    ShapeRule("chunked_prefill", "flash_attn", "4 x 512 queries over 2k context: 0.147 vs 0.198"),
+    ShapeRule("decode", "triton", "b1 x 512: 0.183 vs 0.121; b64 x 2k: 0.238 vs 0.155"),
+    ShapeRule("prefill", "flash_attn", "one 2k prompt: 0.100 vs 0.132"),
+    ShapeRule("chunked_prefill", "flash_attn", "4 x 512 over 2k: 0.122 vs 0.199"),
 )
 
 

@@ -43,7 +43,8 @@ def test_step_shape(q_lens: list[int], seq_lens: list[int], shape: str) -> None:
 
 def test_table_covers_every_shape_once() -> None:
     assert sorted(r.shape for r in SHAPE_TABLE) == ["chunked_prefill", "decode", "prefill"]
-    assert table_winner("chunked_prefill") == "flash_attn"
+    assert table_winner("chunked_prefill") == "flash_attn"  # 1.63x on the H200
+    assert table_winner("prefill") == "flash_attn"  # 1.32x at 2k
     assert table_winner("decode") == "triton"
     with pytest.raises(ValueError, match="no measured row"):
         table_winner("sideways")
