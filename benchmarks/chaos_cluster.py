@@ -72,8 +72,9 @@ class Cluster:
         os.kill(self.pid(name), signum)
 
     def redis_url(self) -> str:
-        """The private redis-server's URL (no password: it binds loopback, per run)."""
-        return f"redis://127.0.0.1:{_flag(self.pid('redis'), '--port')}/0"
+        """The private redis-server's URL, as the services got it (redis-server rewrites
+        its own command line, so it is read from a service's)."""
+        return _flag(self.pid(self.services()[0]), "--redis-url")
 
     def healthy(self) -> bool:
         try:
