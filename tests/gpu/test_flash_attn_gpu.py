@@ -18,6 +18,7 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_explicit_flash_attn_rejects_float32() -> None:
         )
 
 
-TINY = {
+TINY: dict[str, Any] = {
     "vocab_size": 1000,
     "hidden_size": 256,
     "intermediate_size": 512,
