@@ -99,7 +99,7 @@ def test_small_llama_fp8_kv_agreement(tmp_path: Path) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from tests.unit.kv_fp8_support import compare, run_sequence
+    from tests.unit.kv_fp8_support import check_agreement, compare, run_sequence
 
     seed = int.from_bytes(os.urandom(4), "little") % 10_000
     model = _save_random_llama(tmp_path / "small", seed)
@@ -125,21 +125,14 @@ def test_small_llama_fp8_kv_agreement(tmp_path: Path) -> None:
                 got[o.request_id].extend(o.new_token_ids)
         outs[name] = got
     identical = sum(outs["ref"][k] == outs["fp8"][k] for k in outs["ref"])
-    positions = agree = unexplained = 0
-    worst, stds = 0.0, []
+    print(f"seed={seed}: free-running greedy identical for {identical}/{len(prompts)} prompts")
+    results = []
     for i, p in enumerate(prompts):
         seq = p + outs["ref"][f"r{i}"][:-1]
-        a = run_sequence(ref.runner, seq, [len(p) // 2, len(p) - len(p) // 2])
-        b = run_sequence(fp8.runner, seq, [len(p) // 2, len(p) - len(p) // 2])
-        c = compare(a, b)
-        positions, agree = positions + c.positions, agree + c.top1_agree
-        unexplained += c.unexplained
-        worst, stds = max(worst, c.max_abs_err), stds + [c.logit_std]
-    print(
-        f"seed={seed} fp8 vs bf16 KV: teacher-forced top-1 {agree}/{positions} = "
-        f"{agree / positions:.3f}, max |dlogit| {worst:.4f}, logit std "
-        f"{sum(stds) / len(stds):.4f}; free-running greedy identical {identical}/{len(prompts)}"
-    )
-    assert worst < 0.15 * min(stds)
-    assert agree / positions >= 0.9
-    assert unexplained == 0
+        chunks = [len(p) // 2, len(p) - len(p) // 2]
+        results.append(
+            compare(run_sequence(ref.runner, seq, chunks), run_sequence(fp8.runner, seq, chunks))
+        )
+    # bf16 logits carry their own rounding (ulp 2**-7 near 1), hence wider bounds than the
+    # float32 CPU test's.
+    check_agreement(results, "bfloat16", rms_frac=0.1, max_frac=0.3)
