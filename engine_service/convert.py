@@ -112,6 +112,16 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
     theirs = {key: getattr(handle, key) for key in mine}
     diffs = [f"{key} {theirs[key]!r} != {mine[key]!r}" for key in mine if theirs[key] != mine[key]]
     if diffs:
+        from engine.fingerprint import tensor_parallel_size_of
+
+        theirs_tp = tensor_parallel_size_of(handle.model_fingerprint)
+        mine_tp = tensor_parallel_size_of(engine.model_fingerprint)
+        if theirs_tp != mine_tp:  # each rank's blocks hold only its KV heads
+            diffs.insert(
+                0,
+                f"tensor_parallel_size {theirs_tp} (prefill) != {mine_tp} (this decode "
+                "instance); run both pools with the same --tensor-parallel-size",
+            )
         raise IncompatibleKvHandle(
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)
