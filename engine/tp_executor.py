@@ -118,7 +118,12 @@ class MultiprocExecutor:
         # inside a CUDA graph: rank 0 watches (engine/tp_watch.py), from start-up on.
         self._watch: StepWatch | None = None
         if config.device != "cpu":
-            self._watch = StepWatch(self._procs, self.timeout_s, _abort_group(weakref.ref(self)))
+            self._watch = StepWatch(
+                self._procs,
+                self.timeout_s,
+                _abort_group(weakref.ref(self)),
+                device=device_for_rank(config.device, 0),
+            )
         try:
             self._await_workers()
             device = device_for_rank(config.device, 0)

@@ -58,13 +58,17 @@ class StepWatch:
         timeout_s: float,
         on_failure: Callable[[str], None],
         interval_s: float = 0.05,
+        device: str | None = None,
     ) -> None:
+        """``device``: the CUDA device of the steps' events, made current in the thread
+        before its first query (not at start: rank 0 may be capturing CUDA graphs then)."""
         if not timeout_s > 0:
             raise ValueError(f"step deadline must be > 0 s, got {timeout_s}")
         self._procs = list(procs)
         self.timeout_s = timeout_s
         self._on_failure = on_failure
         self._interval_s = interval_s
+        self._device = device
         self._pending: collections.deque[_Launched] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -84,6 +88,11 @@ class StepWatch:
             if proc.poll() is not None:
                 return describe_exit(proc, rank)
         with self._lock:
+            if self._pending and self._device is not None:
+                import torch  # only a CUDA watch gets here
+
+                torch.cuda.set_device(self._device)
+                self._device = None
             while self._pending and self._pending[0].event.query():
                 self._pending.popleft()
             oldest = self._pending[0].at if self._pending else None
