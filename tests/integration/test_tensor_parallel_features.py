@@ -144,8 +144,9 @@ def test_tp2_speculative_decoding_matches_tp1(
     assert two == one
 
 
-def _twice(engine: LLMEngine) -> list[tuple[list[int], int]]:
-    """The same 50-token prompt twice, one after the other: (tokens, cached prompt tokens)."""
+def _twice(engine: LLMEngine) -> list[tuple[list[int], int, list[float]]]:
+    """The same 50-token prompt twice, one after the other: (tokens, cached prompt tokens,
+    the sampled tokens' logprobs)."""
     rng = random.Random(21)
     prompt = [rng.randrange(3, 49152) for _ in range(50)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -153,14 +154,17 @@ def _twice(engine: LLMEngine) -> list[tuple[list[int], int]]:
     for rid in ("first", "second"):
         engine.add_request(rid, prompt, params)
         outs = _drain(engine)[rid]
-        results.append((_tokens(outs), outs[-1].num_cached_tokens))
+        logprobs = [lp.logprob for o in outs for lp in o.logprobs or []]
+        results.append((_tokens(outs), outs[-1].num_cached_tokens, logprobs))
     return results
 
 
 def test_tp2_prefix_cache_hit_gives_identical_output(tiny_model_dir: Path) -> None:
     one, two, _ = _on_both(tiny_model_dir, _twice, block_size=8)
-    (first, cached_first), (second, cached_second) = two
+    (first, cached_first, lp_first), (second, cached_second, lp_second) = two
     assert cached_first == 0
     assert cached_second == 48, "the second identical prompt reuses its 6 full blocks"
     assert second == first
-    assert two == one
+    assert len(lp_first) == 10 and lp_second == pytest.approx(lp_first, abs=1e-4)
+    assert [(t, c) for t, c, _ in two] == [(t, c) for t, c, _ in one]
+    assert lp_first == pytest.approx(one[0][2], abs=1e-4)  # float sums in another order
