@@ -85,9 +85,7 @@ def add_tls_arguments(parser: Any, *, server: bool) -> None:
     add_env_argument(parser, "--grpc-tls-cert", default="", help=f"PEM: {own} certificate (chain)")
     add_env_argument(parser, "--grpc-tls-key", default="", help=f"PEM: {own} private key")
     check = "callers' certificates" if server else "the services' certificates"
-    add_env_argument(
-        parser, "--grpc-tls-ca", default="", help=f"PEM: the CA that signs the {check}"
-    )
+    add_env_argument(parser, "--grpc-tls-ca", default="", help=f"PEM: the CA that signs {check}")
     if not server:
         add_env_argument(
             parser,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -239,3 +241,55 @@ def test_up_runs_its_services_and_router_over_mtls(
         assert up.proc.wait(timeout=90) == 0, up.output()
     finally:
         up.kill_tree()
+
+
+def _router_argv(model_dir: Path, port: int, decode: ServiceProcess, name: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "pdserve", "router", "--host", "127.0.0.1", "--port", str(port)),
+        *("--model", str(model_dir), "--mode", "colocated", "--served-model-name", "tiny"),
+        *("--decode-urls", decode.address, "--health-interval", "0.5"),
+        *("--grpc-tls-server-name", name),
+    ]
+
+
+def _instance_error(router: ServiceProcess, address: str) -> str:
+    """The router's /health error for ``address`` once it has one (deadline: TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert router.proc.poll() is None, router.log_tail()
+        try:
+            body = httpx.get(f"{router.url}/health", timeout=5).json()
+            error = body["decode"]["instances"][address]["error"] or ""
+        except (httpx.HTTPError, KeyError, ValueError):
+            error = ""
+        if error:
+            return str(error)
+        assert time.monotonic() < deadline, f"no instance error in /health:\n{router.log_tail()}"
+        time.sleep(0.3)
+
+
+def test_the_router_checks_the_server_name_it_is_given(
+    guarded: Guarded, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    decode, env = guarded.decode, guarded.pki.router.env()
+    (port,) = free_ports(1)
+    argv = _router_argv(tiny_model_dir, port, decode, "elsewhere.pdserve.test")
+    wrong = ServiceProcess(
+        "router-wrong-name",
+        spawn("router-wrong-name", argv, tmp_path, env),
+        tmp_path / "router-wrong-name.log",
+        port,
+    )
+    try:
+        assert "UNAVAILABLE" in _instance_error(wrong, decode.address)
+    finally:
+        wrong.stop()
+    right = guarded.stack.router(
+        decode=[decode],
+        mode="colocated",
+        extra_args=["--served-model-name", "tiny", "--grpc-tls-server-name", "localhost"],
+        env=env,
+    )
+    client = openai.OpenAI(base_url=f"{right.url}/v1", api_key="x", max_retries=0, timeout=60)
+    reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
