@@ -150,7 +150,13 @@ class EngineConfig:
     def torch_dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
+        if self.device != "cpu":
+            return "bfloat16"
+        # float32 unless the CPU has native bf16 and bf16's measured greedy agreement with
+        # float32 is high enough (docs/design.md §3 "CPU dtype").
+        from engine.attention.cpu_kernels import auto_cpu_dtype
+
+        return auto_cpu_dtype()
 
     @property
     def kv_cache_dtype_name(self) -> str:

@@ -7,11 +7,18 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.llm_warmup import warm_up
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 
 # What one prompt may be (vLLM's forms): text, token ids, or a TextPrompt/TokensPrompt dict.
 PromptInput = str | list[int] | dict[str, Any]
+
+# Step token budget of the offline path on CUDA when the caller sets none: the value
+# benchmarks/gpu_bench.py runs with. The engine's 2048 suits a server's latency; an offline
+# batch spends 4x as many steps prefilling with it, each one a mixed (eager) step next to
+# the running decodes (docs/design.md §3 "Offline LLM").
+CUDA_OFFLINE_MAX_BATCHED_TOKENS = 8192
 
 
 class LLM:
@@ -19,13 +26,21 @@ class LLM:
 
     ``model`` is a local Hugging Face directory or "smollm2"; other keyword arguments are
     ``EngineConfig`` fields (``tensor_parallel_size=2`` shards the model over two processes).
+    On CUDA, ``max_num_batched_tokens`` defaults to ``CUDA_OFFLINE_MAX_BATCHED_TOKENS``
+    and ``warmup`` (None: on for CUDA) runs one throwaway batch at construction so the
+    first ``generate`` does not pay for kernel compilation (engine/llm_warmup.py).
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, *, warmup: bool | None = None, **engine_kwargs: Any) -> None:
         from common.models import resolve_model
 
+        if str(engine_kwargs.get("device", "cpu")).startswith("cuda"):
+            engine_kwargs.setdefault("max_num_batched_tokens", CUDA_OFFLINE_MAX_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **engine_kwargs))
         self._next_id = 0
+        self.warmup_seconds = 0.0
+        if warmup if warmup is not None else self.engine.config.device != "cpu":
+            self.warmup_seconds = warm_up(self.engine)
 
     @property
     def tokenizer(self) -> Any:
@@ -71,20 +86,28 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = [self._next_request_id() for _ in prompts]
         results: dict[str, CompletionOutput] = {}
+        # Text deltas per request, joined once at the end: ``res.text += delta`` on an
+        # attribute copies the whole text every token (quadratic in the output length).
+        texts: dict[str, list[str]] = {}
         for rid, token_ids, p in zip(ids, token_lists, params_list):
             self.engine.add_request(rid, token_ids, p)
             results[rid] = CompletionOutput(
                 token_ids, [], "", None, [] if p.logprobs is not None else None
             )
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+            texts[rid] = []
+        engine = self.engine
+        while engine.has_unfinished():
+            for out in engine.step():
                 res = results[out.request_id]
-                res.token_ids.extend(out.new_token_ids)
-                res.text += out.new_text
+                res.token_ids += out.new_token_ids
+                if out.new_text:
+                    texts[out.request_id].append(out.new_text)
                 if out.logprobs and res.logprobs is not None:
                     res.logprobs.extend(out.logprobs)
                 if out.finished:
                     res.finish_reason = out.finish_reason
+        for rid, res in results.items():
+            res.text = "".join(texts[rid])
         return [results[r] for r in ids]
 
     def _tokenize(self, prompt: object) -> list[int]:

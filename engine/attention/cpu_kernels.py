@@ -65,15 +65,51 @@ def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
     """True when this CPU (or the given ``/proc/cpuinfo`` text) lists ``avx512_bf16`` or
     ``amx_bf16``. False where /proc/cpuinfo cannot be read (not Linux): unknown means no."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
+        return _this_cpu_bf16_native()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() == "flags" and BF16_CPU_FLAGS & set(value.split()):
             return True
     return False
+
+
+@functools.cache
+def _this_cpu_bf16_native() -> bool:
+    try:
+        return cpu_bf16_native(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+# SmolLM2-135M greedy agreement of bf16 with float32: mean fraction of leading tokens (of
+# 32) identical over 12 prompts, measured by tests/integration/test_cpu_bf16_agreement.py
+# (2026-12-01: 0.747; 5 of 12 outputs identical, the first token of all 12; docs/engine.md
+# "CPU bfloat16"). ``dtype="auto"`` picks bf16 only on native-bf16 CPUs and only while
+# this is at least BF16_AUTO_MIN_AGREEMENT, so today auto is float32 on every CPU.
+BF16_GREEDY_AGREEMENT = 0.75
+BF16_AUTO_MIN_AGREEMENT = 0.9
+
+
+def leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over pairs of the fraction of leading tokens two greedy outputs share (greedy
+    outputs diverge for good after the first difference, so later matches do not count)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need two equally long, non-empty lists, got {len(a)} and {len(b)}")
+    fracs = []
+    for x, y in zip(a, b, strict=True):
+        same = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        fracs.append(same / max(len(x), len(y), 1))
+    return sum(fracs) / len(fracs)
+
+
+def auto_cpu_dtype(cpuinfo: str | None = None) -> str:
+    """What ``dtype="auto"`` means on the CPU: "bfloat16" on CPUs with native bf16
+    (``cpu_bf16_native``) when bf16's measured greedy agreement with float32 is high
+    enough, else "float32". Without native bf16, bf16 matmuls are emulated and the
+    accuracy cost buys less; docs/engine.md gives the numbers."""
+    if cpu_bf16_native(cpuinfo) and BF16_GREEDY_AGREEMENT >= BF16_AUTO_MIN_AGREEMENT:
+        return "bfloat16"
+    return "float32"
 
 
 def cache_dir() -> Path:

@@ -440,3 +440,23 @@ def test_backend_bf16_mixed_step_uses_kernel(kernel: DecodeKernel) -> None:
 def test_cpu_bf16_native_reads_cpuinfo_flags(flags: str, native: bool) -> None:
     text = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
     assert cpu_kernels.cpu_bf16_native(text) is native
+
+
+def test_auto_cpu_dtype_needs_native_bf16_and_high_agreement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    native = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    plain = "flags\t\t: fpu avx2 fma f16c\n"
+    # Today's measured agreement (docs/engine.md) is below the bar: float32 everywhere.
+    assert cpu_kernels.BF16_GREEDY_AGREEMENT < cpu_kernels.BF16_AUTO_MIN_AGREEMENT
+    assert cpu_kernels.auto_cpu_dtype(native) == "float32"
+    assert cpu_kernels.auto_cpu_dtype(plain) == "float32"
+    monkeypatch.setattr(cpu_kernels, "BF16_GREEDY_AGREEMENT", 0.99)
+    assert cpu_kernels.auto_cpu_dtype(native) == "bfloat16"
+    assert cpu_kernels.auto_cpu_dtype(plain) == "float32"
+    from engine.config import EngineConfig
+    from tests.model_fixtures import smollm2_path
+
+    cfg = EngineConfig(model=str(smollm2_path()))
+    want = "bfloat16" if cpu_kernels.cpu_bf16_native() else "float32"
+    assert cfg.torch_dtype_name == want
