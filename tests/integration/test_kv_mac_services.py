@@ -13,6 +13,7 @@ import grpc
 import pytest
 import xxhash
 
+from common.block_hash import compute_block_hashes
 from kv_store.record import HEADER_SIZE
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -131,3 +132,68 @@ def test_secret_pair_matches_colocated_and_refuses_forged_records(
         assert chunk.timings.kv_blocks_loaded > 0 and chunk.timings.kv_blocks_recomputed == 0
         colocated, _ = _decode(dstub, pb.DecodeRequest(prompt_token_ids=good_prompt, params=GREEDY))
         assert disagg == colocated
+
+
+def _forge_one(kind: str, where: str, block_hash: bytes) -> None:
+    """Forge the one record whose key ends in ``block_hash`` (fails unless it exists)."""
+    name = block_hash.hex()
+    if kind == "fs":
+        (path,) = [p for p in Path(where).rglob("*") if p.is_file() and p.name.endswith(name)]
+        path.write_bytes(_forged(path.read_bytes()))
+        return
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(where)
+    try:
+        (key,) = [k for k in client.keys("*") if k.decode().endswith(name)]
+        client.set(key, _forged(client.get(key)))  # type: ignore[arg-type]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["fs", "redis"])
+def test_forged_block_never_reaches_the_prefix_cache(
+    kind: str, process_stack: ProcessStack, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Loaded blocks join the prefix cache only once verified (docs/design.md §3): with
+    the middle one of three records forged, the decode instance loads the first block,
+    recomputes the rest and gives the undisturbed output (an instance that never saw the
+    store); the same prompt again is served from its prefix cache (all full blocks cached)
+    and still gives that output: no forged byte was cached."""
+    if kind == "fs":
+        where = str(tmp_path / "kv")
+        flags: tuple[str, ...] = ("--connector", "fs", "--kv-path", where)
+    else:
+        where = request.getfixturevalue("redis_server")
+        flags = ("--connector", "redis", "--redis-url", where)
+    prefill = process_stack.service("prefill", connector_args=flags, env=ENV)
+    decode = process_stack.service("decode", connector_args=flags, env=ENV)
+    undisturbed = process_stack.service("decode", connector_args=flags, env=ENV)
+    prompt = [7000 + (i * 13) % 20000 for i in range(40)]  # blocks of 16, 16 and 8 tokens
+    with (
+        grpc.insecure_channel(prefill.address) as pch,
+        grpc.insecure_channel(decode.address) as dch,
+        grpc.insecure_channel(undisturbed.address) as uch,
+    ):
+        pstub, dstub = pb_grpc.PrefillServiceStub(pch), pb_grpc.DecodeServiceStub(dch)
+        expected, _ = _decode(
+            pb_grpc.DecodeServiceStub(uch), pb.DecodeRequest(prompt_token_ids=prompt, params=GREEDY)
+        )
+        events = list(
+            pstub.Prefill(pb.PrefillRequest(prompt_token_ids=prompt, params=GREEDY), timeout=120)
+        )
+        first, handle = events[0].first_token, events[-1].kv_committed
+        _forge_one(kind, where, compute_block_hashes(prompt, 16, include_partial=True)[1])
+        req = pb.DecodeRequest(
+            prompt_token_ids=prompt,
+            generated_token_ids=[first.token_id],
+            params=GREEDY,
+            kv_handle=handle,
+        )
+        tokens, chunk = _decode(dstub, req)
+        assert chunk.timings.kv_blocks_loaded == 1 and chunk.timings.kv_blocks_recomputed == 2
+        assert [first.token_id, *tokens] == expected
+
+        again, chunk = _decode(dstub, pb.DecodeRequest(prompt_token_ids=prompt, params=GREEDY))
+        assert chunk.num_cached_tokens >= 32, chunk  # both full blocks from the prefix cache
+        assert again == expected
