@@ -1,7 +1,8 @@
 """GPU placement for `pdserve up`: which GPUs engines spread over (``--gpus N`` /
 ``--gpu-ids``), which engine gets which, and the share of GPU memory each may use.
 
-Torch-free: it reads flags and ``CUDA_VISIBLE_DEVICES`` only.
+Torch-free: it reads flags and ``CUDA_VISIBLE_DEVICES`` only (the model check of
+``--tensor-parallel-size`` imports the engine's rule, only when N > 1).
 """
 
 from __future__ import annotations
@@ -37,12 +38,22 @@ def gpu_ids(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     return (pool or [str(i) for i in range(count)])[:count]
 
 
-def assign_gpus(num_engines: int, ids: list[str] | None) -> list[str | None]:
-    """GPU of each engine, in launch order (prefill instances first, then decode):
-    round-robin over ``ids``; all None when engines are not pinned."""
+def assign_gpus(num_engines: int, ids: list[str] | None, per_engine: int = 1) -> list[str | None]:
+    """GPUs of each engine, in launch order (prefill instances first, then decode), as its
+    ``CUDA_VISIBLE_DEVICES``: with tensor parallelism (``per_engine`` N > 1) consecutive
+    groups of N ids ("0,1", "2,3", ...), round-robin over the groups; all None when engines
+    are not pinned. LaunchError when ``ids`` cannot give one engine N GPUs."""
     if not ids:
         return [None] * num_engines
-    return [ids[i % len(ids)] for i in range(num_engines)]
+    if len(ids) < per_engine:
+        raise LaunchError(
+            f"--tensor-parallel-size {per_engine} needs {per_engine} GPUs per engine; "
+            f"--gpus / --gpu-ids give {len(ids)} ({','.join(ids)})"
+        )
+    groups = [
+        ",".join(ids[k : k + per_engine]) for k in range(0, len(ids) - per_engine + 1, per_engine)
+    ]
+    return [groups[i % len(groups)] for i in range(num_engines)]
 
 
 def gpu_share_flags(device: str, gpu: str | None, gpus: list[str | None]) -> list[str]:
@@ -53,3 +64,20 @@ def gpu_share_flags(device: str, gpu: str | None, gpus: list[str | None]) -> lis
     if device != "cuda" or sharing < 2:
         return []
     return ["--gpu-memory-utilization", f"{0.9 / sharing:.3f}"]
+
+
+def check_tensor_parallel_size(model_dir: str, size: int) -> None:
+    """``LaunchError`` when the model's heads (or KV heads, or intermediate size) cannot be
+    split ``size`` ways: said once by ``pdserve up`` instead of by every engine's log. The
+    rule is the engine's own (``engine/models/parallel.py``), imported only when N > 1."""
+    if size <= 1:
+        return
+    from engine.config import EngineConfig
+    from engine.models.config import ModelArgs
+    from engine.models.parallel import check_tensor_parallel
+
+    try:
+        args = ModelArgs.from_hf(EngineConfig(model=model_dir).hf_config())
+        check_tensor_parallel(args, size)
+    except ValueError as exc:
+        raise LaunchError(f"--tensor-parallel-size {size}: {exc}") from None

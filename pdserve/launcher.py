@@ -38,7 +38,7 @@ from engine_service.settings import (
     forward_engine_flags,
 )
 from kv_store.record_mac import ENV as KV_SECRET_ENV
-from pdserve.gpus import assign_gpus, gpu_ids, gpu_share_flags
+from pdserve.gpus import assign_gpus, check_tensor_parallel_size, gpu_ids, gpu_share_flags
 from pdserve.procs import (
     Child,
     Interrupted,
@@ -137,7 +137,7 @@ def build_plan(
         ([], None) if args.mode == "colocated" else _connector_flags(launcher, args)
     )
     engine_flags = _engine_flags(args, model_dir, threads)
-    gpus = assign_gpus(num_engines, gpu_ids(args))
+    gpus = assign_gpus(num_engines, gpu_ids(args), args.tensor_parallel_size or 1)
     ports = free_ports(2 * num_engines)
     # mTLS: one certificate for the services and the router (it must name 127.0.0.1, or
     # --grpc-tls-server-name, and allow both TLS server and client use).
@@ -232,12 +232,14 @@ def run_up(args: argparse.Namespace) -> int:
     remove_stale_workdirs()  # of runs killed with SIGKILL, which could not clean up
     try:
         _check_counts(args)
-        gpu_ids(args)  # misuse of --gpus / --gpu-ids fails before anything starts
+        # Misuse of --gpus / --gpu-ids, or too few of them for N, fails before anything starts.
+        assign_gpus(1, gpu_ids(args), args.tensor_parallel_size or 1)
         TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)  # so do certs
         _check_port_free(args.host, args.port)
         from common.models import resolve_model
 
         model_dir = resolve_model(args.model)  # a known model is pulled once; Ctrl-C stops it
+        check_tensor_parallel_size(str(model_dir), args.tensor_parallel_size or 1)
     except (LaunchError, ValueError) as exc:
         _print(f"pdserve up failed: {exc}", err=True)
         return 1
