@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,39 +99,59 @@ def prefill_logits(
     """Float32 logits ``[len(token_ids), vocab]`` of one teacher-forced prefill of
     ``token_ids`` through the engine's model (FP8 when ``quantization`` or the checkpoint
     says so), on the model's own paged KV cache."""
+    return logits_fn(model_dir, quantization, device, dtype, backend_name)(token_ids)
+
+
+def logits_fn(
+    model_dir: Path,
+    quantization: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend_name: str = "torch_ref",
+    max_len: int = 512,
+) -> Callable[[list[int]], torch.Tensor]:
+    """``prefill_logits`` with the model built once, for sequences up to ``max_len``."""
     from engine.attention import get_backend
-    from engine.attention.base import AttentionMetadata
     from engine.config import EngineConfig
     from engine.models import ModelArgs, build_model
 
     cfg = EngineConfig(model=str(model_dir), device=device, quantization=quantization)
     args = ModelArgs.from_hf(cfg.hf_config())
-    n, block = len(token_ids), 16
     backend = get_backend(backend_name, device)
     model = build_model(
-        args, str(model_dir), "auto", backend, max(n, 64), dtype, device,
+        args, str(model_dir), "auto", backend, max_len, dtype, device,
         fused_ops=device != "cpu", quantization=cfg.quantization_scheme(),
     )  # fmt: skip
-    blocks = -(-n // block)
-    cache = torch.zeros(
-        (args.num_layers, 2, blocks + 1, block, args.num_kv_heads, args.head_dim),
-        dtype=dtype,
-        device=device,
-    )
-    i32 = {"dtype": torch.int32, "device": device}
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device) + block,
-        query_start_loc=torch.tensor([0, n], **i32),
-        seq_lens=torch.tensor([n], **i32),
-        block_tables=torch.arange(1, blocks + 1, **i32)[None],
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n],
-    )
-    ids = torch.tensor(token_ids, device=device)
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(n, device=device), cache, meta))
+
+    def run(token_ids: list[int]) -> torch.Tensor:
+        from engine.attention.base import AttentionMetadata
+
+        n, block = len(token_ids), 16
+        if n > max_len:
+            raise ValueError(f"{n} tokens exceed max_len {max_len}")
+        blocks = -(-n // block)
+        cache = torch.zeros(
+            (args.num_layers, 2, blocks + 1, block, args.num_kv_heads, args.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        i32 = {"dtype": torch.int32, "device": device}
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=device) + block,
+            query_start_loc=torch.tensor([0, n], **i32),
+            seq_lens=torch.tensor([n], **i32),
+            block_tables=torch.arange(1, blocks + 1, **i32)[None],
+            max_query_len=n,
+            max_seq_len=n,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
+        )
+        ids = torch.tensor(token_ids, device=device)
+        with torch.inference_mode():
+            hidden = model(ids, torch.arange(n, device=device), cache, meta)
+            return model.compute_logits(hidden)
+
+    return run
 
 
 def logit_stats(ref: torch.Tensor, test: torch.Tensor) -> dict[str, float]:

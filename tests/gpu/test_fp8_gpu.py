@@ -4,7 +4,8 @@
   projections at 1-4 rows against float64 of the same e4m3 weights (bound stated there;
   half a bf16 ulp, and float32 summation order 2^-16 at K up to 14336).
 - ``torch._scaled_mm`` (W8A8, per-token x per-channel scales) against float64 of the same
-  quantized operands, and against the unquantized bf16 product (relative L2 < 0.06: two
+  quantized operands (summation term 2^-14: Hopper's FP8 MMA does not accumulate in full
+  float32; 2^-16 was exceeded by 0.2 % at M = 300), and against the unquantized bf16 product (relative L2 < 0.06: two
   e4m3 roundings of ~2^-4 each, averaged over K; measured ~0.03).
 - The GEMV (activations unquantized) against ``_scaled_mm``: they differ by the activation
   quantization only (relative L2 < 0.05).
@@ -102,7 +103,7 @@ def test_scaled_mm_against_float64_and_bf16(m: int) -> None:
     assert y.dtype == torch.bfloat16 and y.shape == (m, 4096)
     xq, xs = quantize_rows(x)
     ratio = fp8_bound_ratio(
-        y, xq.double() * xs.double()[:, None], wq, scale, None, 2.0**-8, 2.0**-16
+        y, xq.double() * xs.double()[:, None], wq, scale, None, 2.0**-8, 2.0**-14
     )
     assert ratio <= 1.0, f"_scaled_mm: {ratio:.3g}x the bound"
     full = x.double() @ w.double().T
