@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lmcache.v1.gpu_connector import GPUConnectorInterface
 
+from engine.attention.kv_quant import byte_view
 from kv_store.record import copy_into
 
 
@@ -49,7 +50,8 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
         if run is not None:
             copy_into(dst, self._slots_view(kv)[:, :, run])
         else:
-            dst.copy_(self._slots_view(kv).index_select(2, slots))
+            # As bytes: torch's CPU build has no float8 index_select/index_copy_ (fp8 cache).
+            byte_view(dst).copy_(self._slots_view(byte_view(kv)).index_select(2, slots))
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
@@ -58,7 +60,7 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
         if run is not None:
             copy_into(self._slots_view(kv)[:, :, run], src)
         else:
-            self._slots_view(kv).index_copy_(2, slots, src)
+            self._slots_view(byte_view(kv)).index_copy_(2, slots, byte_view(src))
 
     def batched_from_gpu(
         self, memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any

@@ -33,6 +33,7 @@ _DTYPE_BYTES = {
     "fp16": 2,
     "bf16": 2,
     "float8": 1,
+    "float8_e4m3fn": 1,  # an fp8 KV cache (--kv-cache-dtype fp8): what its KvHandle says
 }
 
 

@@ -32,10 +32,13 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
     from kv_store.factory import KVStoreSettings, build_connector
 
+    kv_cache_dtype = settings.pop("kv_cache_dtype", "auto")  # an engine knob, not a store one
     settings = {"p2p_timeout_s": 20.0, **settings, "connector": "p2p"}
     connector = build_connector(KVStoreSettings(**settings))
     assert connector is not None
-    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=64), connector)
+    engine = LLMEngine(
+        EngineConfig(model=model, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype), connector
+    )
     commands: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def read() -> None:
