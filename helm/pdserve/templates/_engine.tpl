@@ -13,6 +13,17 @@ Deployments differ only in their values block, their role and decode's KV-load p
 {{- $own := index $pool $key }}
 {{- $_ := set $tuning $key (kindIs "invalid" $own | ternary (index $root.Values.engine $key) $own) }}
 {{- end }}
+{{- /* Tensor parallelism on GPUs: the pod gets one GPU per rank, whatever the pool's
+resources say (docs/kubernetes.md). */}}
+{{- $tp := int $root.Values.engine.tensorParallelSize }}
+{{- $resources := deepCopy (default (dict) $pool.resources) }}
+{{- if and (gt $tp 1) (eq $root.Values.engine.device "cuda") }}
+{{- range $part := list "requests" "limits" }}
+{{- $r := default (dict) (index $resources $part) }}
+{{- $_ := set $r "nvidia.com/gpu" (toString $tp) }}
+{{- $_ := set $resources $part $r }}
+{{- end }}
+{{- end }}
 {{- /* The service drains (NOT_SERVING, finish in-flight) for drainGrace seconds after
 SIGTERM, which comes after the preStop sleep; keep 10 s for the process to exit. */}}
 {{- $drain := sub (int $pool.terminationGracePeriodSeconds) (add (int $pool.preStopSleepSeconds) 10) }}
@@ -122,6 +133,12 @@ spec:
             - name: p2p
               containerPort: {{ $root.Values.connector.p2p.port }}
               protocol: TCP
+            {{- range $rank := untilStep 1 $tp 1 }}
+            # Tensor-parallel rank {{ $rank }}'s own p2p control port.
+            - name: p2p-{{ $rank }}
+              containerPort: {{ add $root.Values.connector.p2p.port $rank }}
+              protocol: TCP
+            {{- end }}
             {{- end }}
           # With mTLS the kubelet (no client certificate) probes the plaintext health port.
           startupProbe:
@@ -143,7 +160,7 @@ spec:
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           resources:
-            {{- toYaml $pool.resources | nindent 12 }}
+            {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             - name: model
               mountPath: {{ $root.Values.model.mountPath }}
@@ -165,7 +182,7 @@ spec:
         - name: dshm
           emptyDir:
             medium: Memory
-            sizeLimit: 8Gi
+            sizeLimit: {{ $root.Values.engine.shmSizeLimit }}
         {{- if eq (include "pdserve.storeKind" $root) "fs" }}
         - name: kv
           persistentVolumeClaim:
