@@ -189,7 +189,9 @@ def test_failed_load_result_waits_for_every_batch(tmp_path: Path) -> None:
     assert one(a).ok
     for i in range(2):  # both records forged: garbage KV, valid checksum, no MAC
         key = _key(tokens, 2, i)
-        a.backend.put([(key, _forge(bytes(a.backend.get([key])[0]), bytes(16)))])
+        (record,) = a.backend.get([key])
+        assert record is not None
+        a.backend.put([(key, _forge(bytes(record), bytes(16)))])
     a.close()
 
     release = threading.Event()

@@ -145,7 +145,7 @@ def _forge_one(kind: str, where: str, block_hash: bytes) -> None:
 
     client = redis_py.Redis.from_url(where)
     try:
-        (key,) = [k for k in client.keys("*") if k.decode().endswith(name)]
+        (key,) = [k for k in client.keys("*") if name.encode() in k]
         client.set(key, _forged(client.get(key)))  # type: ignore[arg-type]
     finally:
         client.close()
