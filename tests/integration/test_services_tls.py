@@ -3,7 +3,8 @@ between real processes over real gRPC: a decode service takes only callers whose
 certificate its CA signed (no certificate, plaintext or another CA's certificate fail the
 handshake), refuses a CA-signed caller outside its allow-list with PERMISSION_DENIED, keeps
 a plaintext health-only port for probes, and lets only the identity that started a request
-abort it. A router holding the right certificate serves through it to the ``openai`` client.
+abort it. The control-plane token is required on top (both modes combine). A router
+holding the right certificate (and the token) serves through it to the ``openai`` client.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_token import call_metadata
 from pdserve.procs import free_ports, grpc_probe
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -37,6 +39,8 @@ from tests.service_fixtures import (
 from tests.tls_certs import Pair, Pki, make_pki
 
 TIMEOUT = 60.0
+TOKEN = "tls-and-token"
+AUTH = call_metadata(TOKEN)
 LONG = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
@@ -63,6 +67,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     env = {
         **pki.service.env(),
         "PDSERVE_GRPC_ALLOWED_CLIENTS": "router.pdserve.test,operator.pdserve.test",
+        "PDSERVE_GRPC_TOKEN": TOKEN,  # both modes at once
     }
     name = "decode-tls"
     decode = ServiceProcess(
@@ -91,8 +96,10 @@ def _channel(address: str, pair: Pair | None, *, ca: Path | None = None) -> grpc
     return grpc.secure_channel(address, creds)
 
 
-def _load(channel: grpc.Channel) -> Any:
-    return pb_grpc.DecodeServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT)
+def _load(channel: grpc.Channel, metadata: Any = AUTH) -> Any:
+    return pb_grpc.DecodeServiceStub(channel).GetLoad(
+        pb.GetLoadRequest(), timeout=TIMEOUT, metadata=metadata
+    )
 
 
 def _refused(channel: grpc.Channel) -> grpc.StatusCode:
@@ -106,9 +113,12 @@ def test_callers_without_a_certificate_from_the_ca_fail_the_handshake(guarded: G
     assert _refused(grpc.insecure_channel(address)) == grpc.StatusCode.UNAVAILABLE
     assert _refused(_channel(address, None, ca=pki.ca)) == grpc.StatusCode.UNAVAILABLE
     assert _refused(_channel(address, pki.rogue)) == grpc.StatusCode.UNAVAILABLE
-    # The service still answers the right certificate afterwards.
+    # The service still answers the right certificate afterwards, with the token too.
     with _channel(address, pki.router) as channel:
         assert _load(channel).total_kv_blocks > 0
+        with pytest.raises(grpc.RpcError) as info:
+            _load(channel, metadata=())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_ca_signed_caller_outside_the_allow_list_is_denied(guarded: Guarded) -> None:
@@ -116,7 +126,7 @@ def test_a_ca_signed_caller_outside_the_allow_list_is_denied(guarded: Guarded) -
     assert _refused(_channel(decode.address, pki.stranger)) == grpc.StatusCode.PERMISSION_DENIED
     with _channel(decode.address, pki.stranger) as channel, pytest.raises(grpc.RpcError) as info:
         request = pb.DecodeRequest(prompt_token_ids=[5, 6], params=pb.SamplingParams(max_tokens=2))
-        list(pb_grpc.DecodeServiceStub(channel).Decode(request, timeout=TIMEOUT))
+        list(pb_grpc.DecodeServiceStub(channel).Decode(request, timeout=TIMEOUT, metadata=AUTH))
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert metric(decode.metrics_url, "pdserve_service_requests_total", outcome="permission_denied")
     with _channel(decode.address, pki.operator) as channel:
@@ -140,7 +150,8 @@ def _start(
     """A long greedy stream, started: (its first chunk, the rest to come)."""
     prompt = [1000 + (seed * 97 + i * 13) % 30000 for i in range(40)]
     request = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, params=LONG)
-    stream = iter(pb_grpc.DecodeServiceStub(channel).Decode(request, timeout=TIMEOUT * 4))
+    call = pb_grpc.DecodeServiceStub(channel).Decode(request, timeout=TIMEOUT * 4, metadata=AUTH)
+    stream = iter(call)
     return next(stream), stream
 
 
@@ -152,7 +163,9 @@ def test_only_the_identity_that_started_a_request_can_abort_it(guarded: Guarded)
     ):
         first, stream = _start(owner, "owned-1", seed=1)
         other_stub = pb_grpc.DecodeServiceStub(other)
-        reply = other_stub.Abort(pb.AbortRequest(request_id="owned-1"), timeout=TIMEOUT)
+        reply = other_stub.Abort(
+            pb.AbortRequest(request_id="owned-1"), timeout=TIMEOUT, metadata=AUTH
+        )
         assert not reply.found
         assert _load(owner).running >= 1  # the refused Abort changed nothing: still running
         rest = list(stream)
@@ -162,7 +175,10 @@ def test_only_the_identity_that_started_a_request_can_abort_it(guarded: Guarded)
 
         _, stream = _start(owner, "owned-2", seed=2)
         owner_stub = pb_grpc.DecodeServiceStub(owner)
-        assert owner_stub.Abort(pb.AbortRequest(request_id="owned-2"), timeout=TIMEOUT).found
+        reply = owner_stub.Abort(
+            pb.AbortRequest(request_id="owned-2"), timeout=TIMEOUT, metadata=AUTH
+        )
+        assert reply.found
         rest = list(stream)
         assert rest[-1].finished and rest[-1].finish_reason == "abort"
 
@@ -172,7 +188,7 @@ def test_a_router_with_its_certificate_serves_over_mtls(guarded: Guarded) -> Non
         decode=[guarded.decode],
         mode="colocated",
         extra_args=["--served-model-name", "tiny"],
-        env=guarded.pki.router.env(),
+        env={**guarded.pki.router.env(), "PDSERVE_GRPC_TOKEN": TOKEN},
     )
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=60)
     reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
@@ -271,7 +287,7 @@ def _instance_error(router: ServiceProcess, address: str) -> str:
 def test_the_router_checks_the_server_name_it_is_given(
     guarded: Guarded, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    decode, env = guarded.decode, guarded.pki.router.env()
+    decode, env = guarded.decode, {**guarded.pki.router.env(), "PDSERVE_GRPC_TOKEN": TOKEN}
     (port,) = free_ports(1)
     argv = _router_argv(tiny_model_dir, port, decode, "elsewhere.pdserve.test")
     wrong = ServiceProcess(
