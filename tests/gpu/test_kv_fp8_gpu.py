@@ -12,6 +12,7 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ GPU_CASES = {
     ),
     "8b_mixed_bf16": ([300, 1, 64, 1], [0, 2000, 129, 5], 32, 8, 128, 16, "bfloat16", 1.0, 1.0, 0),
 }
-SMALL = {
+SMALL: dict[str, Any] = {
     "vocab_size": 1000,
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -86,7 +87,7 @@ def _save_random_llama(out: Path, seed: int) -> Path:
 
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**SMALL)).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(LlamaConfig(**SMALL)).to(torch.bfloat16).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -59,7 +59,8 @@ def test_fp8_pull_matches_colocated_fp8(producer: Any, tiny_model_dir: Path) -> 
     assert engine.transfers.stats.blocks_recomputed == 0
     # One byte per element: 2 layers x (K, V) x 3 blocks x 16 tokens x 2 KV heads x 16.
     assert engine.connector is not None
-    assert engine.connector.p2p_stats().bytes_received == 2 * 2 * 3 * 16 * 2 * 16
+    stats = engine.connector.p2p_stats()
+    assert stats is not None and stats.bytes_received == 2 * 2 * 3 * 16 * 2 * 16
     assert tokens == _colocated_fp8(tiny_model_dir)
     done = p.next(30)
     assert done["p2p"]["lease_ends"] == {"pulled": 1}

@@ -108,7 +108,7 @@ def run_case(
     }
 
 
-def run_rope_store_case(seed: int, device: str, dtype_name: str) -> dict[str, int]:
+def run_rope_store_case(seed: int, device: str, dtype_name: str) -> dict[str, float]:
     """The fused RoPE + K/V store into an fp8 cache vs the torch reference's rope + store:
     the bytes written must be identical (k rounded to the model dtype, then quantized)."""
     import torch
