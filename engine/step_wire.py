@@ -2,9 +2,10 @@
 
 Rank 0 builds each step's ``HostInputs`` (``engine/step_inputs.py``) and hands them to the
 other ranks as a fixed-size header (the operation and every segment's length: 80 bytes)
-and one int64 buffer holding every segment back to back (the int32 ones widened), so a
-step costs one header write per worker and one broadcast. The receiving ranks rebuild the
-same ``HostInputs`` and copy it to their device exactly as rank 0 does.
+and one int64 buffer holding every segment back to back (the int32 ones widened), written
+together on each worker's pipe: one write per worker and step, and rank 0 need not wait
+for the worker to wake (a broadcast would). The receiving ranks rebuild the same
+``HostInputs`` and copy it to their device exactly as rank 0 does.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ HEADER_SIZE = _HEADER.size
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """The operation and the lengths ``unpack`` needs; ``ids_on_device``: the token ids
-    follow in a second broadcast on the device (async scheduling)."""
+    """The operation and the lengths ``unpack`` needs (``buffer_len`` int64s follow the
+    header on the pipe); ``ids_on_device``: the token ids follow in a broadcast on the
+    device (async scheduling)."""
 
     op: int
     num_ids: int = 0

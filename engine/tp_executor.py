@@ -7,9 +7,12 @@ its ``__main__``, is re-run) and hands each its settings on stdin. The group for
 a private ``TCPStore`` on a free loopback port: no environment variables, no global
 process group.
 
-Per step rank 0 builds the host inputs, writes an 80-byte header to every worker's stdin
-(the doorbell: a worker idles blocked on it, with no collective and so no timeout running)
-and broadcasts one packed buffer (``engine/step_wire.py``); then every rank runs the
+Per step rank 0 builds the host inputs and writes an 80-byte header followed by one packed
+buffer (``engine/step_wire.py``) to every worker's stdin (a worker idles blocked on it,
+with no collective and so no timeout running; rank 0 does not wait for it to wake: the
+pipe has room for a step, and each write waits at most ``distributed_timeout`` for room,
+``tp_procs.write_all``), with async scheduling then one device broadcast of the token ids;
+then every rank runs the
 forward pass and rank 0 gets the full logits.
 
 Failure: a worker found dead before a step, a header that cannot be written, or a failed
@@ -45,7 +48,7 @@ from engine.models import ModelArgs
 from engine.scheduler import ScheduledRequest
 from engine.step_wire import OP_KV, OP_SHUTDOWN, Header, pack
 from engine.tp_group import TPError, TPGroup, startup_timeout, timedelta
-from engine.tp_procs import check_gpus, device_for_rank, stop_workers
+from engine.tp_procs import check_gpus, device_for_rank, open_pipe, stop_workers, write_all
 from engine.tp_watch import StepWatch, describe_exit
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,8 @@ _FAILURES = (TPError, TensorParallelError, OSError)
 
 @dataclass(slots=True)
 class BroadcastStats:
-    """Time rank 0 spends handing out step inputs (headers + broadcasts), per step."""
+    """Time rank 0 spends handing out step inputs (pipe writes + the device ids'
+    broadcast under async scheduling), per step."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -170,7 +174,8 @@ class MultiprocExecutor:
             [sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE, bufsize=0, env=env
         )
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps(spec).encode() + b"\n")
+        proc.stdin.write(json.dumps(spec).encode() + b"\n")  # blocking: the pipe is empty
+        open_pipe(proc.stdin.fileno())
         return proc
 
     def _await_workers(self) -> None:
@@ -231,11 +236,7 @@ class MultiprocExecutor:
         try:
             self._check_workers()
             start = time.perf_counter()
-            doorbell = header.encode()
-            for p in self._procs:
-                assert p.stdin is not None
-                p.stdin.write(doorbell)
-            self.tp.broadcast(torch.from_numpy(buffer), host=True)
+            self._write(header.encode() + buffer.tobytes())
             if input_ids is not None:
                 self.tp.broadcast(input_ids.contiguous(), host=False)
             self.stats.record(time.perf_counter() - start)
@@ -265,13 +266,17 @@ class MultiprocExecutor:
         message = Header(OP_KV, num_ids=len(payload)).encode() + payload
         try:
             self._check_workers()
-            for p in self._procs:
-                assert p.stdin is not None
-                p.stdin.write(message)
+            self._write(message)
         except _FAILURES as e:
             self._failed = self._error(e, "KV message")
             self._teardown(grace_s=0.0)
             raise self._failed from e
+
+    def _write(self, message: bytes) -> None:
+        """``message`` to every worker's pipe, in order with everything written before."""
+        for p in self._procs:
+            assert p.stdin is not None
+            write_all(p.stdin.fileno(), message, self.timeout_s)
 
     def _teardown(self, grace_s: float) -> None:
         if self._watch is not None:
@@ -291,7 +296,7 @@ class MultiprocExecutor:
         for p in self._procs:
             try:
                 if p.stdin is not None and not p.stdin.closed:
-                    p.stdin.write(bye)
+                    write_all(p.stdin.fileno(), bye, 1.0)
             except OSError:
                 pass  # already gone
         self._teardown(grace_s=5.0)

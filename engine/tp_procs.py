@@ -5,8 +5,15 @@ stopping them (``engine/tp_executor.py`` starts them)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import select
 import subprocess
 import time
+
+# Rank 0's pipe to each worker: room for a large batch's step inputs (a 64-request step
+# with 256-block tables is ~130 KiB), so handing them out rarely waits for the worker.
+PIPE_BYTES = 1 << 20
 
 
 def device_for_rank(device: str, rank: int) -> str:
@@ -55,3 +62,30 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def open_pipe(fd: int, size: int = PIPE_BYTES) -> None:
+    """Make rank 0's end of a worker's pipe non-blocking (``write_all`` bounds each wait)
+    and ask for a ``size``-byte pipe, so a step's inputs usually fit without waiting for
+    the worker to read (Linux; best effort: the default 64 KiB still works)."""
+    os.set_blocking(fd, False)
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)  # type: ignore[attr-defined]
+
+
+def write_all(fd: int, data: bytes, timeout_s: float) -> None:
+    """Write all of ``data`` to the non-blocking pipe ``fd``, waiting at most ``timeout_s``
+    for room. ``TimeoutError`` when the reader stopped reading (a hung worker),
+    ``BrokenPipeError`` when it is gone; both are ``OSError``s the executor reports."""
+    view = memoryview(data)
+    deadline = time.monotonic() + timeout_s
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"a worker read nothing from its pipe for {timeout_s:g} s")
+        select.select([], [fd], [], min(left, 1.0))

@@ -1,9 +1,10 @@
 """A tensor-parallel worker rank (1..N-1): ``python -m engine.tp_worker``, started by rank 0.
 
 stdin carries one JSON line of settings (``MultiprocExecutor._spawn``), then step headers
-(``engine/step_wire.py``). The worker joins the group, builds its ``ModelRunner`` (its
-shard, its KV heads' cache), and then, for every header, receives the packed step inputs
-and runs the forward pass with the other ranks. It exits on a shutdown header, on EOF
+(``engine/step_wire.py``), each followed on the pipe by its packed step inputs. The worker
+joins the group, builds its ``ModelRunner`` (its shard, its KV heads' cache), and then, for
+every header, reads the inputs (and, under async scheduling, receives the token ids by a
+device broadcast) and runs the forward pass with the other ranks. It exits on a shutdown header, on EOF
 (rank 0 closed the pipe or died), when a collective fails or times out, and when its parent
 changes (a watchdog thread: rank 0 died without the pipe closing, e.g. a forked child of
 rank 0 still holds the pipe's write end).
@@ -19,6 +20,7 @@ import threading
 import time
 from typing import BinaryIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,9 +73,10 @@ def serve(runner: ModelRunner, tp: TPGroup, stream: BinaryIO, kv: WorkerKV | Non
                 raise RuntimeError("a KV message reached a worker without KV support")
             kv.handle(payload)
             continue
-        buffer = torch.empty(header.buffer_len, dtype=torch.int64)
-        tp.broadcast(buffer, host=True)
-        host = unpack(header, buffer.numpy())
+        payload = _read_exact(stream, 8 * header.buffer_len)  # the packed int64 inputs
+        if payload is None:
+            return
+        host = unpack(header, np.frombuffer(bytearray(payload), dtype=np.int64))
         ids = None
         if header.ids_on_device:
             ids = torch.empty(header.num_tokens, dtype=torch.int64, device=runner.device)

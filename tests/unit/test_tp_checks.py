@@ -1,11 +1,15 @@
-"""Tensor-parallel start-up checks that need no GPU: which GPU each rank takes and the
-refusal of a size the visible GPUs cannot hold (``engine/tp_procs.py``)."""
+"""Rank 0's side of the worker processes without a GPU (``engine/tp_procs.py``): which GPU
+each rank takes, the refusal of a size the visible GPUs cannot hold, and the bounded pipe
+writes that hand out each step's inputs."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
-from engine.tp_procs import check_gpus, device_for_rank
+from engine.tp_procs import check_gpus, device_for_rank, open_pipe, write_all
 
 
 def test_each_rank_takes_the_next_gpu() -> None:
@@ -37,3 +41,46 @@ def test_too_few_gpus_are_refused_clearly(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         check_gpus(device, size, available)
+
+
+def test_write_all_delivers_everything_through_a_small_pipe() -> None:
+    read_fd, write_fd = os.pipe()
+    open_pipe(write_fd, size=4096)  # smaller than the message: the writer must wait
+    message = bytes(range(256)) * 2048  # 512 KiB
+    got = bytearray()
+
+    def drain() -> None:
+        with os.fdopen(read_fd, "rb") as reader:
+            while chunk := reader.read(65536):
+                got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        write_all(write_fd, message, timeout_s=60)
+    finally:
+        os.close(write_fd)
+        reader.join(60)
+    assert bytes(got) == message
+
+
+def test_write_all_to_a_reader_that_stopped_reading_times_out() -> None:
+    read_fd, write_fd = os.pipe()
+    try:
+        open_pipe(write_fd, size=4096)
+        with pytest.raises(TimeoutError, match="read nothing from its pipe for 0.2 s"):
+            write_all(write_fd, b"x" * (1 << 20), timeout_s=0.2)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def test_write_all_to_a_closed_reader_is_a_broken_pipe() -> None:
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    try:
+        open_pipe(write_fd)
+        with pytest.raises(BrokenPipeError):
+            write_all(write_fd, b"step", timeout_s=5)
+    finally:
+        os.close(write_fd)
