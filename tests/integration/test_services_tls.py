@@ -171,7 +171,14 @@ def test_only_the_identity_that_started_a_request_can_abort_it(guarded: Guarded)
         rest = list(stream)
         assert rest[-1].finished and rest[-1].finish_reason == "length"
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == LONG.max_tokens
-        assert metric(decode.metrics_url, "pdserve_service_requests_total", outcome="not_owner")
+        refused = "pdserve_service_requests_total"
+        assert metric(decode.metrics_url, refused, outcome="not_owner") == 1
+        # Finished, its owner is still known (a p2p hold outlives the stream): refused again.
+        reply = other_stub.Abort(
+            pb.AbortRequest(request_id="owned-1"), timeout=TIMEOUT, metadata=AUTH
+        )
+        assert not reply.found
+        assert metric(decode.metrics_url, refused, outcome="not_owner") == 2
 
         _, stream = _start(owner, "owned-2", seed=2)
         owner_stub = pb_grpc.DecodeServiceStub(owner)
