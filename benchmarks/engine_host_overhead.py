@@ -11,6 +11,12 @@ prompt tokens are prefilled, and then ``--decode-steps`` decode steps are timed.
 * ``host`` = ``step - forward`` (what this benchmark is about), and its parts
   ``schedule``, ``prepare`` and ``postprocess`` (sampling, token bookkeeping, detokenizer).
 
+``--public-api`` adds cases (``llm256`` …) that run the same batch through the public
+``LLM.generate`` instead of calling ``LLMEngine.step()`` directly, and time each decode
+iteration of its loop: ``loop`` is the wall time from one ``step()`` call to the next
+(so it includes what ``generate`` does with the step's outputs), ``generate`` = loop − step,
+and ``host`` = loop − forward there.
+
 With ``--tokenizer-dir`` the dummy model dir also gets that model's tokenizer, so the
 detokenizer does real work (dummy weights over a 1024-token vocabulary emit ordinary ids).
 A separate micro-benchmark times the detokenizer per token at output length 1000.
@@ -61,6 +67,7 @@ TINY_LLAMA = {
     "torch_dtype": "float32",
 }
 PHASES = ("step", "forward", "host", "schedule", "prepare", "postprocess")
+LLM_PHASES = ("loop", "step", "generate", "forward", "host", "postprocess")
 
 
 def _model_dir(tmp: Path, tokenizer_dir: str | None) -> str:
@@ -170,6 +177,108 @@ def measure(
     }
 
 
+def measure_llm(
+    batch: int, prompt_len: int, decode_steps: int, tokenizer_dir: str | None
+) -> dict[str, Any]:
+    """``batch`` requests through ``LLM.generate``: time the loop's decode iterations."""
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from pdserve.bench.offline import random_prompts
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(
+            _model_dir(Path(tmp), tokenizer_dir),
+            load_format="dummy",
+            dtype="float32",
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            num_kv_blocks=1 + 256 * 80,
+            seed=0,
+            max_model_len=2048,
+        )
+    engine = llm.engine
+    acc = {"forward": 0.0, "prepare": 0.0, "postprocess": 0.0}
+    runner = engine.runner
+    execute, prepare, postprocess = runner.execute, runner.prepare, engine._postprocess
+    step_fn, schedule = engine.step, engine.scheduler.schedule
+    # Per step: (start, end, forward s, postprocess s, every scheduled row a decode).
+    marks: list[tuple[float, float, float, float, bool]] = []
+    decode_only = [False]
+
+    def timed_prepare(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return prepare(*a)
+        finally:
+            acc["prepare"] += time.perf_counter() - t0
+
+    def timed_execute(*a: Any) -> Any:
+        p0, t0 = acc["prepare"], time.perf_counter()
+        out = execute(*a)
+        acc["forward"] += time.perf_counter() - t0 - (acc["prepare"] - p0)
+        return out
+
+    def timed_postprocess(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return postprocess(*a)
+        finally:
+            acc["postprocess"] += time.perf_counter() - t0
+
+    def spy_schedule() -> Any:
+        out = schedule()
+        decode_only[0] = len(out.scheduled) == batch and all(
+            s.num_new_tokens == 1 for s in out.scheduled
+        )
+        return out
+
+    def timed_step() -> Any:
+        f0, p0, t0 = acc["forward"], acc["postprocess"], time.perf_counter()
+        decode_only[0] = False
+        out = step_fn()
+        t1 = time.perf_counter()
+        marks.append((t0, t1, acc["forward"] - f0, acc["postprocess"] - p0, decode_only[0]))
+        return out
+
+    setattr(runner, "prepare", timed_prepare)  # noqa: B010 - shadow the bound methods
+    setattr(runner, "execute", timed_execute)  # noqa: B010
+    setattr(engine, "_postprocess", timed_postprocess)  # noqa: B010
+    setattr(engine.scheduler, "schedule", spy_schedule)  # noqa: B010
+    setattr(engine, "step", timed_step)  # noqa: B010
+    prompts = random_prompts(batch, prompt_len, 1024, seed=0)
+    params = SamplingParams(max_tokens=decode_steps + 8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    samples: dict[str, list[float]] = {k: [] for k in LLM_PHASES}
+    # A decode step's loop time runs to the next step's start; skip the first 3 (warm-up)
+    # and the last one (no next step).
+    decode = [i for i in range(len(marks) - 1) if marks[i][4]][3:]
+    for i in decode:
+        t0, t1, fwd, post, _ = marks[i]
+        loop = marks[i + 1][0] - t0
+        for k, v in (
+            ("loop", loop),
+            ("step", t1 - t0),
+            ("generate", loop - (t1 - t0)),
+            ("forward", fwd),
+            ("host", loop - fwd),
+            ("postprocess", post),
+        ):
+            samples[k].append(v * 1e3)
+    if len(decode) < decode_steps // 2:
+        raise RuntimeError(f"only {len(decode)} decode-only steps at batch {batch}")
+    return {
+        "batch": batch,
+        "api": "LLM.generate",
+        "decode_steps": len(decode),
+        "tokenizer": engine.tokenizer is not None,
+        "ms": {k: _stats(v) for k, v in samples.items()},
+        "check_tokens": [o.token_ids[:16] for o in outs[:4]],
+    }
+
+
 def detok_micro(tokenizer_dir: str, n_tokens: int, tail: int) -> dict[str, Any]:
     """Detokenizer cost per token when the output is ``n_tokens`` long (mean of the last
     ``tail`` tokens), on a deterministic ordinary-token sequence."""
@@ -215,6 +324,10 @@ def _child(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"engine_file": engine.__file__}
     if args.child == "detok":
         result.update(detok_micro(args.tokenizer_dir, args.detok_len, 100))
+    elif args.child.startswith("llm"):
+        result.update(
+            measure_llm(int(args.child[3:]), args.prompt_len, args.decode_steps, args.tokenizer_dir)
+        )
     else:
         result.update(
             measure(int(args.child), args.prompt_len, args.decode_steps, args.tokenizer_dir)
@@ -251,6 +364,12 @@ def main() -> None:
         help="tokenizer for the +tokenizer runs (default: ~/.cache/pdserve/models/smollm2)",
     )
     ap.add_argument("--detok-len", type=int, default=1000)
+    ap.add_argument(
+        "--public-api",
+        action="store_true",
+        help="also time the LLM.generate loop (cases llm<batch>)",
+    )
+    ap.add_argument("--skip-engine", action="store_true", help="only the --public-api cases")
     ap.add_argument("--baseline-engine", help="dir holding a copy of the engine package to compare")
     ap.add_argument("--output-json", default=str(HERE / "engine_host_overhead.json"))
     ap.add_argument("--output-md", default=str(HERE / "engine_host_overhead.md"))
@@ -266,13 +385,19 @@ def main() -> None:
     variants: dict[str, str | None] = {"current": None}
     if args.baseline_engine:
         variants = {"baseline": str(Path(args.baseline_engine).resolve()), "current": None}
-    cases: list[tuple[str, str | None]] = [(str(b), None) for b in args.batch_sizes]
-    if tok:
-        cases += [(str(b), tok) for b in args.batch_sizes] + [("detok", tok)]
+    cases: list[tuple[str, str | None]] = []
+    if not args.skip_engine:
+        cases += [(str(b), None) for b in args.batch_sizes]
+        if tok:
+            cases += [(str(b), tok) for b in args.batch_sizes] + [("detok", tok)]
+    if args.public_api:
+        cases += [(f"llm{b}", None) for b in args.batch_sizes]
+        if tok:
+            cases += [(f"llm{b}", tok) for b in args.batch_sizes]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for what, case_tok in cases:
-        key = ("detok" if what == "detok" else f"batch{what}") + (
+        key = (what if what == "detok" or what.startswith("llm") else f"batch{what}") + (
             "+tokenizer" if case_tok and what != "detok" else ""
         )
         runs[key] = {v: [] for v in variants}
@@ -304,7 +429,11 @@ def main() -> None:
 def _brief(r: dict[str, Any]) -> str:
     if "ms" not in r:
         return f"{r['ms_per_token_at_end']:.3f} ms/token at {r['output_len']}"
-    return " ".join(f"{k}={r['ms'][k]['p50']:.2f}" for k in PHASES)
+    return " ".join(f"{k}={r['ms'][k]['p50']:.2f}" for k in _phases(r))
+
+
+def _phases(r: dict[str, Any]) -> tuple[str, ...]:
+    return LLM_PHASES if r.get("api") == "LLM.generate" else PHASES
 
 
 def _best(rs: list[dict[str, Any]], phase: str) -> float:
@@ -327,16 +456,28 @@ def _markdown(report: dict[str, Any], variants: list[str]) -> str:
         "interleaved runs of the per-step p50, in ms. `host` = step − forward.",
         "",
     ]
-    header = "| case | variant | " + " | ".join(PHASES) + " |"
-    out += [header, "|" + "---|" * (len(PHASES) + 2)]
     ratios = []
-    for key, by_variant in report["runs"].items():
-        if key.startswith("detok"):
+    for group, phases in (("batch", PHASES), ("llm", LLM_PHASES)):
+        keys = [k for k in report["runs"] if k.startswith(group)]
+        if not keys:
             continue
-        for v in variants:
-            cells = " | ".join(f"{_best(by_variant[v], p):.2f}" for p in PHASES)
-            out.append(f"| {key} | {v} | {cells} |")
-        if "baseline" in by_variant:
+        if group == "llm":
+            out += [
+                "",
+                "Through the public `LLM.generate` loop (`loop` = one step() call to the next, "
+                "`generate` = loop − step: the loop's own work on the outputs; `host` = "
+                "loop − forward):",
+                "",
+            ]
+        out += ["| case | variant | " + " | ".join(phases) + " |"]
+        out += ["|" + "---|" * (len(phases) + 2)]
+        for key in keys:
+            by_variant = report["runs"][key]
+            for v in variants:
+                cells = " | ".join(f"{_best(by_variant[v], p):.2f}" for p in phases)
+                out.append(f"| {key} | {v} | {cells} |")
+            if "baseline" not in by_variant:
+                continue
             b, c = _best(by_variant["baseline"], "host"), _best(by_variant["current"], "host")
             same = all(
                 x["check_tokens"] == y["check_tokens"]

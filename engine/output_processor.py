@@ -41,8 +41,16 @@ class OutputProcessor:
         """Append one sampled token; returns its text and the finish status it causes."""
         request.append_output_token(token)
         finished_status = self.check_stop(request, token)
-        if self.guided.accept(request.request_id, [token]) and finished_status is None:
+        if (
+            request.params.guided is not None
+            and self.guided.accept(request.request_id, [token])
+            and finished_status is None
+        ):
             finished_status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        if self.tokenizer is None:
+            # No tokenizer (dummy-weight benchmarks): no text, no stop strings; skip the
+            # detokenizer, which would only keep a second copy of the output ids.
+            return "", finished_status
         detok = self._detok[request.request_id]
         text = detok.add([token], finished_status is not None)
         if finished_status is None and detok.stopped:
