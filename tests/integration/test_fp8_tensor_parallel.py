@@ -6,9 +6,8 @@ parallel.py), or quantizes its own shard at load.
 N = 2 is not bit-identical to N = 1: o and down quantize each rank's half of the
 activation row with its own per-token scale. So the test compares the first token's top-5
 logprobs of N = 2 against N = 1 (both FP8): a scale that went to the wrong rows would move
-them by whole nats, the activation-scale difference moves them by < 0.05 (measured 0.009 and 0.010;
-bound 0.05), and the greedy token is the same wherever N = 1's top two are more than
-0.1 apart.
+them by whole nats, the activation-scale difference by < 0.05 (measured 0.009 and
+0.010), and the greedy token is the same wherever N = 1's top two are more than 0.1 apart.
 """
 
 from __future__ import annotations
