@@ -1,14 +1,19 @@
 """Prefill → decode between tensor-parallel instances (N = 2 on both sides; CPU, gloo, real
 services whose worker ranks are real processes): every rank's KV shard moves to the same
 rank on the other side, over the fs store (per-rank records) and over p2p (rank-to-rank
-pulls). Greedy tokens equal those of an N = 1 instance computing the prompt itself, and a
-handle from another N is refused with a message that names both sizes.
+pulls). Greedy tokens equal those of an N = 1 instance computing the prompt itself; a shard
+one rank lacks is recomputed on all; a handle from another N is refused with a message that
+names both sizes, and one listing another number of p2p sources is recomputed.
+
+Each connector gets one stack for the module (prefill N = 2, decode N = 2, decode N = 1):
+starting tensor-parallel services is the slow part.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -16,106 +21,112 @@ import pytest
 from pdserve.v1 import pdserve_pb2 as pb
 from tests.e2e.router_support import wait_for
 from tests.integration.test_p2p_services import decode, free_blocks, prefill_handle
+from tests.service_fixtures import ProcessStack, ServiceProcess
 
-if TYPE_CHECKING:
-    from tests.service_fixtures import ProcessStack
-
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 TP2 = ("--tensor-parallel-size", "2")
 PROMPT = [2000 + (i * 31) % 20000 for i in range(45)]  # 2 full blocks + a partial one
+OTHER = [3000 + (i * 17) % 20000 for i in range(40)]  # a second prompt, no shared block
 
 
-def _split(value: str) -> list[str]:
-    return value.split(",")
+@dataclass(slots=True)
+class Stack:
+    prefill: ServiceProcess  # N = 2
+    decode: ServiceProcess  # N = 2
+    single: ServiceProcess  # N = 1: the reference, and the instance of another N
+    kv_dir: Path
 
 
-def _refused(stack_decode: object, handle: pb.KvHandle, first: int) -> grpc.RpcError:
+def _stack(
+    factory: pytest.TempPathFactory, model: Path, connector: tuple[str, ...]
+) -> Iterator[Stack]:
+    root = factory.mktemp("tp_pd")
+    kv_dir = root / "kv"
+    kv_dir.mkdir()
+    args = tuple(a.replace("{kv}", str(kv_dir)) for a in connector)
+    stack = ProcessStack(root / "logs", model)
+    try:
+        prefill = stack.service("prefill", connector_args=args, extra_args=TP2)
+        dec = stack.service("decode", connector_args=args, extra_args=TP2)
+        single = stack.service("decode", connector_args=args)
+        yield Stack(prefill, dec, single, kv_dir)
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def fs_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    yield from _stack(tmp_path_factory, tiny_model_dir, ("--connector", "fs", "--kv-path", "{kv}"))
+
+
+@pytest.fixture(scope="module")
+def p2p_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    yield from _stack(
+        tmp_path_factory, tiny_model_dir, ("--connector", "p2p", "--p2p-timeout", "20")
+    )
+
+
+def _refused(target: ServiceProcess, handle: pb.KvHandle, first: int) -> None:
+    """A decode of another N refuses the handle before touching any block."""
     with pytest.raises(grpc.RpcError) as refused:
-        decode(stack_decode, PROMPT, first, handle)  # type: ignore[arg-type]
-    return refused.value
+        decode(target, PROMPT, first, handle)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert "tensor_parallel_size 2 (prefill) != 1" in (refused.value.details() or "")
 
 
-def test_fs_handoff_per_rank_records(process_stack: ProcessStack, fs_kv_dir: Path) -> None:
-    fs = ("--connector", "fs", "--kv-path", str(fs_kv_dir))
-    prefill = process_stack.service("prefill", connector_args=fs, extra_args=TP2)
-    dec = process_stack.service("decode", connector_args=fs, extra_args=TP2)
-    single = process_stack.service("decode", connector_args=fs)  # N = 1
-
-    first, handle = prefill_handle(prefill, "p1", PROMPT)
+def test_fs_per_rank_records_match_n1(fs_stack: Stack) -> None:
+    first, handle = prefill_handle(fs_stack.prefill, "p1", PROMPT)
     assert handle.model_fingerprint.endswith("-tp2") and handle.num_tokens == len(PROMPT)
-    fingerprint = handle.model_fingerprint
-    # One record per block per rank, each rank under its own fingerprint.
-    for rank in (0, 1):
-        records = [p for p in (fs_kv_dir / "pdserve" / f"{fingerprint}-r{rank}").rglob("*")]
-        assert sum(p.is_file() for p in records) == 3, (rank, records)
+    for rank in (0, 1):  # one record per block per rank, under the rank's own fingerprint
+        records = (fs_stack.kv_dir / "pdserve" / f"{handle.model_fingerprint}-r{rank}").rglob("*")
+        assert sum(p.is_file() for p in records) == 3, rank
 
-    tokens, timings = decode(dec, PROMPT, first, handle)
+    tokens, timings = decode(fs_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
-    colocated, _ = decode(single, PROMPT, None, None)
+    colocated, _ = decode(fs_stack.single, PROMPT, None, None)
     assert tokens == colocated
-
-    error = _refused(single, handle, first)
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
-    assert "tensor_parallel_size 2 (prefill) != 1" in (error.details() or "")
+    _refused(fs_stack.single, handle, first)
 
 
-def test_fs_missing_shard_is_recomputed(process_stack: ProcessStack, fs_kv_dir: Path) -> None:
-    """Rank 1's last record gone: every rank recomputes from there, output unchanged."""
-    fs = ("--connector", "fs", "--kv-path", str(fs_kv_dir))
-    prefill = process_stack.service("prefill", connector_args=fs, extra_args=TP2)
-    dec = process_stack.service("decode", connector_args=fs, extra_args=TP2)
-    first, handle = prefill_handle(prefill, "p1", PROMPT)
-    last_key = handle.block_keys[-1].rsplit("/", 1)[1]
-    rank1 = fs_kv_dir / "pdserve" / f"{handle.model_fingerprint}-r1"
-    victims = [p for p in rank1.rglob("*") if p.is_file() and p.name.startswith(last_key[:16])]
-    assert len(victims) == 1, list(rank1.rglob("*"))
-    victims[0].unlink()
+def test_fs_shard_missing_on_one_rank_is_recomputed(fs_stack: Stack) -> None:
+    first, handle = prefill_handle(fs_stack.prefill, "p2", OTHER)
+    last = handle.block_keys[-1].rsplit("/", 1)[1]
+    rank1 = fs_stack.kv_dir / "pdserve" / f"{handle.model_fingerprint}-r1"
+    victim = next(p for p in rank1.rglob(last) if p.is_file())
+    victim.unlink()  # rank 0 still has this block: the load must not count it
 
-    tokens, timings = decode(dec, PROMPT, first, handle)
+    tokens, timings = decode(fs_stack.decode, OTHER, first, handle)
     assert timings.kv_blocks_loaded == 2 and timings.kv_blocks_recomputed == 1
-    colocated, _ = decode(dec, PROMPT, None, None)
+    colocated, _ = decode(fs_stack.single, OTHER, None, None)
     assert tokens == colocated
 
 
-def test_p2p_handoff_rank_to_rank(process_stack: ProcessStack) -> None:
-    p2p = ("--connector", "p2p", "--p2p-timeout", "20")
-    prefill = process_stack.service("prefill", connector_args=p2p, extra_args=TP2)
-    dec = process_stack.service("decode", connector_args=p2p, extra_args=TP2)
-    single = process_stack.service("decode", connector_args=p2p)  # N = 1
-
-    first, handle = prefill_handle(prefill, "p1", PROMPT)
-    sources, transfers = _split(handle.source_address), _split(handle.transfer_id)
+def test_p2p_rank_to_rank_matches_n1(p2p_stack: Stack) -> None:
+    first, handle = prefill_handle(p2p_stack.prefill, "p1", PROMPT)
+    sources, transfers = handle.source_address.split(","), handle.transfer_id.split(",")
     assert len(sources) == 2 and len(set(sources)) == 2, handle.source_address
     assert len(transfers) == 2 and all(t.startswith("p1.") for t in transfers)
-    free, total = free_blocks(prefill)
+    free, total = free_blocks(p2p_stack.prefill)
     assert free < total  # held on every rank for the pull
+    _refused(p2p_stack.single, handle, first)  # refused before any pull: the hold stays
 
-    error = _refused(single, handle, first)  # before the pull: the hold stays intact
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
-    assert "tensor_parallel_size 2 (prefill) != 1" in (error.details() or "")
-
-    tokens, timings = decode(dec, PROMPT, first, handle)
+    tokens, timings = decode(p2p_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
-    colocated, _ = decode(single, PROMPT, None, None)
+    colocated, _ = decode(p2p_stack.single, PROMPT, None, None)
     assert tokens == colocated
-    # Both ranks' leases end as pulled, and only then rank 0 frees the blocks.
-    wait_for(lambda: free_blocks(prefill)[0] == total, 20, "the prefill to free the pulled blocks")
+    # Both ranks' leases end as pulled; only then does rank 0 free the blocks.
+    wait_for(lambda: free_blocks(p2p_stack.prefill)[0] == total, 20, "the held blocks freed")
 
 
-def test_p2p_handle_of_other_size_is_recomputed_never_misread(
-    process_stack: ProcessStack,
-) -> None:
-    """A handle listing one source where N = 2 (its fingerprint forged to match): the load
-    fails with reason layout and the decode computes the prompt itself."""
-    p2p = ("--connector", "p2p", "--p2p-timeout", "20")
-    prefill = process_stack.service("prefill", connector_args=p2p, extra_args=TP2)
-    dec = process_stack.service("decode", connector_args=p2p, extra_args=TP2)
-    first, handle = prefill_handle(prefill, "p1", PROMPT)
+def test_p2p_handle_listing_one_source_is_recomputed(p2p_stack: Stack) -> None:
+    """Its fingerprint matches (forged), but it names one rank's source where N = 2: the
+    load fails (reason layout) and the decode computes the prompt, never half a cache."""
+    first, handle = prefill_handle(p2p_stack.prefill, "p2", OTHER)
     forged = pb.KvHandle()
     forged.CopyFrom(handle)
-    forged.source_address = _split(handle.source_address)[0]
-    forged.transfer_id = _split(handle.transfer_id)[0]
-    tokens, timings = decode(dec, PROMPT, first, forged)
+    forged.source_address = handle.source_address.split(",")[0]
+    forged.transfer_id = handle.transfer_id.split(",")[0]
+    tokens, timings = decode(p2p_stack.decode, OTHER, first, forged)
     assert timings.kv_blocks_loaded == 0 and timings.kv_blocks_recomputed == 3
-    colocated, _ = decode(dec, PROMPT, None, None)
+    colocated, _ = decode(p2p_stack.single, OTHER, None, None)
     assert tokens == colocated
