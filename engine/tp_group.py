@@ -4,8 +4,9 @@ Built without ``torch.distributed.init_process_group``: that makes one world per
 and one process may hold several engines (tests do) next to other groups (the p2p KV
 connector's). Each tensor-parallel engine instead gets its own ``ProcessGroup`` objects
 made from a private ``TCPStore`` (rank 0 hosts it on a free loopback port): the model's
-group (gloo on the CPU, NCCL on CUDA) and, on CUDA, a gloo group on the host for the step
-inputs rank 0 hands out each step.
+group (gloo on the CPU, NCCL on CUDA) and, on CUDA, a gloo group on the host for host
+tensors (the KV pool size every rank can hold). Step inputs do not go through a group:
+rank 0 writes them on each worker's pipe (``engine/step_wire.py``).
 
 Every collective has a deadline: a gloo operation waits at most ``timeout`` (a peer that
 dies closes its sockets, which fails the operation at once); NCCL operations are bounded by
