@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from engine.tp_group import timedelta
-from kv_store.base import KVConnector, KvLayout
+from kv_store.base import KVConnector, KvLayout, TransferResult
 from kv_store.tp_connector import (
     TPConnector,
     rank_fingerprint,
@@ -114,18 +114,25 @@ class WorkerKV:
             return
         if self.connector is None:
             raise RuntimeError(f"KV message {op!r} before the connector was bound")
-        if op == "save":
-            self.connector.start_save(transfer_from_json(msg["transfer"]))
-        elif op == "load":
-            t = transfer_from_json(msg["transfer"])
-            if "sources" in msg:  # p2p: this rank pulls from the same rank of the source
-                t.source_address = msg["sources"][self.rank]
-                t.transfer_id = msg["transfer_ids"][self.rank]
-            self.connector.start_load(t)
-        elif op == "release":
+        if op == "release":
             self.connector.release_held(msg["request_id"])
-        else:
+            return
+        if op not in ("save", "load"):
             raise ValueError(f"unknown KV message {op!r}")
+        t = transfer_from_json(msg["transfer"])
+        if "sources" in msg:  # p2p: this rank pulls from the same rank of the source
+            t.source_address = msg["sources"][self.rank]
+            t.transfer_id = msg["transfer_ids"][self.rank]
+        try:
+            if op == "save":
+                self.connector.start_save(t)
+            else:
+                self.connector.start_load(t)
+        except Exception as e:  # noqa: BLE001 - a failed transfer, not a dead rank
+            logger.exception("rank %d: KV %s of %s refused", self.rank, op, t.request_id)
+            failed = TransferResult(t.request_id, op, False, failure_reason="layout")
+            failed.error = f"{type(e).__name__}: {e}"
+            self._send({"op": "result", "result": result_to_json(failed)})
 
     def _bind(self, msg: dict[str, Any]) -> None:
         from kv_store.factory import build_worker_connector

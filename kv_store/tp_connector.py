@@ -187,27 +187,34 @@ class TPConnector(KVConnector):
         return self.local.lookup(token_ids, block_hashes)
 
     def start_save(self, transfer: KVTransfer) -> None:
-        self._pending[(transfer.request_id, "save")] = _Pending()
-        self.channel.send({"op": "save", "transfer": transfer_to_json(transfer)})
-        self.local.start_save(transfer)
+        self._start((transfer.request_id, "save"), transfer, {})
+
+    def _start(self, key: tuple[str, str], transfer: KVTransfer, extra: dict[str, Any]) -> None:
+        """Rank 0 first: a transfer its connector refuses (raises) reaches no worker."""
+        self._pending[key] = _Pending()
+        try:
+            if key[1] == "save":
+                self.local.start_save(transfer)
+            else:
+                self.local.start_load(transfer)
+        except Exception:
+            del self._pending[key]
+            raise
+        self.channel.send({"op": key[1], "transfer": transfer_to_json(transfer), **extra})
 
     def start_load(self, transfer: KVTransfer) -> None:
         """A p2p handle names every rank's source; rank r pulls entry r. A handle listing
         another number of ranks fails the load (reason ``layout``): never a wrong shard."""
-        key = (transfer.request_id, "load")
-        self._pending[key] = _Pending()
-        msg: dict[str, Any] = {"op": "load", "transfer": transfer_to_json(transfer)}
+        extra: dict[str, Any] = {}
         if transfer.transfer_id:
             sources = split_ranks(transfer.source_address, self.size)
             ids = split_ranks(transfer.transfer_id, self.size)
             if sources is None or ids is None:
-                del self._pending[key]
                 self._refuse_load(transfer)
                 return
-            msg["sources"], msg["transfer_ids"] = sources, ids
+            extra = {"sources": sources, "transfer_ids": ids}
             transfer = dataclasses.replace(transfer, source_address=sources[0], transfer_id=ids[0])
-        self.channel.send(msg)
-        self.local.start_load(transfer)
+        self._start((transfer.request_id, "load"), transfer, extra)
 
     def _refuse_load(self, transfer: KVTransfer) -> None:
         error = (
