@@ -4,8 +4,8 @@ CPU (W8A8: per-channel weight and per-token activation scales; docs/quantization
 The FP8 engine generates 32 greedy tokens for each prompt; the float32 model is then run
 teacher-forced over the same text, and the test bounds (1) how many of the FP8 tokens are
 the float32 model's own greedy choice at that position and (2) the relative L2 error of
-the FP8 logits there. Measured when written (3 prompts, 96 positions): agreement 0.92,
-relative L2 error 0.09-0.12 per prompt; the bounds leave room for other CPUs' summation
+the FP8 logits there. Measured when written (3 prompts, 96 positions): 88/96 agree,
+relative L2 error 0.069-0.104 per prompt; the bounds leave room for other CPUs' summation
 order, not for a real regression.
 """
 
@@ -17,7 +17,9 @@ import pytest
 
 from tests.fp8_support import logit_stats, logits_fn
 
-pytestmark = pytest.mark.slow
+# The CPU path of FP8 is a reference (it converts every weight to float32 per step): 12 min
+# on the shared 2-core machine at load 17 when written; the suite's 600 s would cut it off.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PROMPTS = (
     "The capital of France is",
