@@ -1,7 +1,7 @@
 """FP8 (e4m3) KV cache vs the model-dtype cache on a real model: teacher-forced logits.
 
     PYTHONPATH=. python benchmarks/kv_fp8_accuracy.py [--model smollm2] [--device cpu]
-        [--dtype auto] [--new-tokens 32] [--out benchmarks/kv_fp8_accuracy.json]
+        [--dtype auto] [--new-tokens 32] [--v-scale 1.0] [--out benchmarks/kv_fp8_accuracy.json]
 
 Each prompt is generated greedily with the model-dtype cache; then both engines read that
 same token sequence (prompt prefilled in two chunks, the rest one decode step at a time,
@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument(
+        "--v-scale", type=float, default=1.0, help="the fp8 cache's V scale (an experiment)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -62,6 +65,7 @@ def main() -> None:
         )  # fmt: skip
 
     ref, fp8 = engine("auto"), engine("fp8")
+    fp8.runner.backend.v_scale = args.v_scale  # type: ignore[attr-defined]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     identical = 0
@@ -99,6 +103,7 @@ def main() -> None:
         "model_dtype": ref.config.torch_dtype_name,
         "torch": torch.__version__,
         "new_tokens": args.new_tokens,
+        "v_scale": args.v_scale,
         "top1_agreement": round(agree / positions, 4),
         "positions": positions,
         "rms_err_max": max(r["rms_err"] for r in rows),
