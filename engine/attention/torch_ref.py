@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.kv_quant import DEFAULT_SCALE, byte_view, dequantize, quantize
 from engine.attention.cpu_kernels import (
     KERNEL_DTYPES,
     DecodeKernel,
     kernels_enabled,
     load_decode_kernel,
 )
+from engine.attention.kv_quant import DEFAULT_SCALE, byte_view, dequantize, quantize
 
 
 def write_kv(
