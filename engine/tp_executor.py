@@ -94,6 +94,13 @@ def _abort_group(ref: weakref.ref[MultiprocExecutor]) -> Callable[[str], None]:
     return abort
 
 
+def _release(watch: StepWatch, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A dropped executor (or the interpreter's exit): the watch first, so the workers'
+    exits are not reported as a lost instance."""
+    watch.stop()
+    stop_workers(procs, 2.0)
+
+
 class MultiprocExecutor:
     """Rank 0 of ``config.tensor_parallel_size`` ranks; see the module docstring."""
 
@@ -116,18 +123,17 @@ class MultiprocExecutor:
             use_libuv=True,
         )
         self._procs = [self._spawn(config, r, max_model_len) for r in range(1, size)]
-        self._finalizer = weakref.finalize(self, stop_workers, self._procs, 2.0)
         self.tp = TPGroup.single()
-        # On CUDA a collective waiting on a dead or hung peer has no deadline of its own
-        # inside a CUDA graph: rank 0 watches (engine/tp_watch.py), from start-up on.
-        self._watch: StepWatch | None = None
-        if config.device != "cpu":
-            self._watch = StepWatch(
-                self._procs,
-                self.timeout_s,
-                _abort_group(weakref.ref(self)),
-                device=device_for_rank(config.device, 0),
-            )
+        # Rank 0 watches the workers from start-up on (engine/tp_watch.py), and on CUDA the
+        # steps on the GPU too: a collective inside a CUDA graph has no deadline of its own.
+        self._cuda = config.device != "cpu"
+        self._watch: StepWatch | None = StepWatch(
+            self._procs,
+            self.timeout_s,
+            _abort_group(weakref.ref(self)),
+            device=device_for_rank(config.device, 0) if self._cuda else None,
+        )
+        self._finalizer = weakref.finalize(self, _release, self._watch, self._procs)
         try:
             self._await_workers()
             device = device_for_rank(config.device, 0)
@@ -208,6 +214,12 @@ class MultiprocExecutor:
         if self._watch is not None and self._watch.reason is not None:
             raise TensorParallelError(self._watch.reason)
 
+    @property
+    def lost(self) -> str | None:
+        """Why the watch declared the instance lost (a worker exited, a GPU step passed
+        its deadline), or None; ``check`` turns it into the step's failure."""
+        return None if self._watch is None else self._watch.reason
+
     def check(self) -> None:
         """Raise ``TensorParallelError`` if the instance was lost since the last step
         launched (the watch fired: a worker exited or a GPU step passed its deadline). The
@@ -241,7 +253,7 @@ class MultiprocExecutor:
                 self.tp.broadcast(input_ids.contiguous(), host=False)
             self.stats.record(time.perf_counter() - start)
             logits = runner.run(runner.to_device(host, input_ids))
-            if self._watch is not None:
+            if self._watch is not None and self._cuda:
                 done = torch.cuda.Event()
                 done.record()
                 self._watch.launched(done)

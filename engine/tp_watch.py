@@ -1,4 +1,5 @@
-"""``StepWatch``: rank 0's deadline for tensor-parallel steps on CUDA.
+"""``StepWatch``: rank 0's watch over the tensor-parallel workers, and on CUDA a deadline
+for the steps on the GPU.
 
 A collective on the CPU (gloo) fails by itself when a peer dies, and times out when one
 hangs. On CUDA an NCCL kernel waiting on a dead or stopped peer spins on the GPU; NCCL's
@@ -10,6 +11,8 @@ exited, or a step has run longer than the deadline, it records why and calls
 ``on_failure`` (which aborts the NCCL communicator, so the waiting kernels return).
 The executor then fails the step in the engine's thread (``MultiprocExecutor.check``):
 the logits of an aborted step are never used (docs/design.md §3, tensor parallelism).
+On the CPU it watches the workers only (steps record no events; gloo fails by itself),
+so a worker lost between steps is reported by ``check`` the same way.
 """
 
 from __future__ import annotations

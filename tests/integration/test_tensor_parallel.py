@@ -175,6 +175,34 @@ def test_killed_worker_fails_the_next_step_clearly(tiny_model_dir: Path) -> None
     assert _wait_gone(pids, 5) == []
 
 
+@pytest.mark.timeout(120)  # the guard: the watch must notice, not the test's patience
+def test_a_worker_lost_between_steps_is_reported_by_check(tiny_model_dir: Path) -> None:
+    """Rank 0's watch (engine/tp_watch.py) notices a worker that exits while no step runs;
+    ``check()``, which ``LLMEngine.step`` calls after every step, then raises naming it and
+    stops the rest, and every later step fails the same way."""
+    engine = _engine(tiny_model_dir, 2)
+    executor = engine.executor
+    assert isinstance(executor, MultiprocExecutor)
+    pids = _workers(engine)
+    try:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        engine.step()
+        executor.check()  # healthy: nothing to report
+        assert executor.lost is None
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while executor.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert executor.lost == f"rank 1 (pid {pids[0]}) exited with signal SIGKILL"
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with signal"):
+            executor.check()
+        assert _wait_gone(pids, 5) == []
+        with pytest.raises(TensorParallelError):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.timeout(120)  # the guard: the step must end at its 2 s deadline, not hang
 def test_hung_worker_fails_the_step_at_the_deadline(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, 2, distributed_timeout=2.0)
