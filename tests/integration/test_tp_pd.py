@@ -130,3 +130,29 @@ def test_p2p_handle_listing_one_source_is_recomputed(p2p_stack: Stack) -> None:
     assert timings.kv_blocks_loaded == 0 and timings.kv_blocks_recomputed == 3
     colocated, _ = decode(p2p_stack.single, OTHER, None, None)
     assert tokens == colocated
+
+
+def test_redis_per_rank_records(process_stack: ProcessStack, redis_server: str) -> None:
+    """The same handoff through a real redis-server: each rank's own keys; the N = 2 tokens
+    equal an N = 1 engine's."""
+    import redis as redis_py
+
+    args = ("--connector", "redis", "--redis-url", redis_server)
+    prefill = process_stack.service("prefill", connector_args=args, extra_args=TP2)
+    dec = process_stack.service("decode", connector_args=args, extra_args=TP2)
+    first, handle = prefill_handle(prefill, "p1", PROMPT)
+    client = redis_py.Redis.from_url(redis_server)
+    try:
+        for rank in (0, 1):
+            keys = client.keys(f"pdserve/{handle.model_fingerprint}-r{rank}/*")
+            assert len(keys) == 3, (rank, keys)
+    finally:
+        client.close()
+    tokens, timings = decode(dec, PROMPT, first, handle)
+    assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    with LLM(str(process_stack.model_dir), num_kv_blocks=64) as llm:  # N = 1, in this process
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert tokens == llm.generate(PROMPT, params)[0].token_ids
