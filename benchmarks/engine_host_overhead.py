@@ -66,6 +66,10 @@ TINY_LLAMA = {
     "eos_token_id": 2,
     "torch_dtype": "float32",
 }
+# The clock of every per-step time: wall (perf_counter), or with --clock thread the main
+# thread's CPU time, which leaves out time spent descheduled on a busy shared machine (with
+# one torch thread the forward, the C kernel included, runs on the main thread too).
+_now = time.perf_counter
 PHASES = ("step", "forward", "host", "schedule", "prepare", "postprocess")
 LLM_PHASES = ("loop", "step", "generate", "forward", "host", "postprocess")
 
@@ -116,25 +120,25 @@ def measure(
     # Instance attributes shadow the methods; execute() calls self.prepare, so the
     # prepare timer sees the call made from inside execute.
     def timed_prepare(*a: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _now()
         try:
             return prepare(*a)
         finally:
-            acc["prepare"] += time.perf_counter() - t0
+            acc["prepare"] += _now() - t0
 
     def timed_execute(*a: Any) -> Any:
-        p0, t0 = acc["prepare"], time.perf_counter()
+        p0, t0 = acc["prepare"], _now()
         out = execute(*a)
-        acc["forward"] += time.perf_counter() - t0 - (acc["prepare"] - p0)
+        acc["forward"] += _now() - t0 - (acc["prepare"] - p0)
         return out
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*a: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = _now()
             try:
                 return fn(*a)
             finally:
-                acc[name] += time.perf_counter() - t0
+                acc[name] += _now() - t0
 
         return wrapper
 
@@ -153,9 +157,9 @@ def measure(
     samples: dict[str, list[float]] = {k: [] for k in PHASES}
     for _ in range(decode_steps):
         before = dict(acc)
-        t0 = time.perf_counter()
+        t0 = _now()
         engine.step()
-        step = time.perf_counter() - t0
+        step = _now() - t0
         delta = {k: acc[k] - before[k] for k in acc}
         samples["step"].append(step * 1e3)
         samples["host"].append((step - delta["forward"]) * 1e3)
@@ -209,24 +213,24 @@ def measure_llm(
     decode_only = [False]
 
     def timed_prepare(*a: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _now()
         try:
             return prepare(*a)
         finally:
-            acc["prepare"] += time.perf_counter() - t0
+            acc["prepare"] += _now() - t0
 
     def timed_execute(*a: Any) -> Any:
-        p0, t0 = acc["prepare"], time.perf_counter()
+        p0, t0 = acc["prepare"], _now()
         out = execute(*a)
-        acc["forward"] += time.perf_counter() - t0 - (acc["prepare"] - p0)
+        acc["forward"] += _now() - t0 - (acc["prepare"] - p0)
         return out
 
     def timed_postprocess(*a: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _now()
         try:
             return postprocess(*a)
         finally:
-            acc["postprocess"] += time.perf_counter() - t0
+            acc["postprocess"] += _now() - t0
 
     def spy_schedule() -> Any:
         out = schedule()
@@ -236,10 +240,10 @@ def measure_llm(
         return out
 
     def timed_step() -> Any:
-        f0, p0, t0 = acc["forward"], acc["postprocess"], time.perf_counter()
+        f0, p0, t0 = acc["forward"], acc["postprocess"], _now()
         decode_only[0] = False
         out = step_fn()
-        t1 = time.perf_counter()
+        t1 = _now()
         marks.append((t0, t1, acc["forward"] - f0, acc["postprocess"] - p0, decode_only[0]))
         return out
 
@@ -319,6 +323,9 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        global _now
+        _now = time.thread_time
     import engine
 
     result: dict[str, Any] = {"engine_file": engine.__file__}
@@ -341,6 +348,7 @@ def _run_child(
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what]
     cmd += ["--prompt-len", str(args.prompt_len), "--decode-steps", str(args.decode_steps)]
     cmd += ["--threads", str(args.threads), "--detok-len", str(args.detok_len)]
+    cmd += ["--clock", args.clock]
     if engine_path:
         cmd += ["--engine-path", engine_path]
     if tok:
@@ -368,6 +376,12 @@ def main() -> None:
         "--public-api",
         action="store_true",
         help="also time the LLM.generate loop (cases llm<batch>)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="thread: per-step times in main-thread CPU time (for a loaded machine)",
     )
     ap.add_argument("--skip-engine", action="store_true", help="only the --public-api cases")
     ap.add_argument("--baseline-engine", help="dir holding a copy of the engine package to compare")
@@ -416,6 +430,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "threads": args.threads,
+        "clock": args.clock,
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
         "runs": runs,
@@ -452,7 +467,9 @@ def _markdown(report: dict[str, Any], variants: list[str]) -> str:
         f"{report['cpu_count']} CPUs (shared), {report['threads']} torch thread(s), "
         f"load average at end {report['load_average'][0]:.2f}. Tiny dummy Llama (2 layers, "
         f"hidden 64, vocab 1024), prompts of {report['prompt_len']} random tokens, greedy, "
-        f"{report['decode_steps']} timed decode steps. Each cell: median over "
+        f"{report['decode_steps']} timed decode steps, clock: "
+        f"{'main-thread CPU time' if report.get('clock') == 'thread' else 'wall'}. "
+        "Each cell: median over "
         "interleaved runs of the per-step p50, in ms. `host` = step − forward.",
         "",
     ]
