@@ -309,7 +309,9 @@ def test_more_gpus_than_visible_are_refused_before_any_process_starts(
     assert _worker_children() == []
 
 
-def test_tensor_parallel_size_that_does_not_fit_is_refused(tiny_model_dir: Path) -> None:
+def test_tensor_parallel_size_that_does_not_fit_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by it"):
         EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="multiple of num_key_value_heads 3"):
@@ -320,11 +322,14 @@ def test_tensor_parallel_size_that_does_not_fit_is_refused(tiny_model_dir: Path)
         )
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="KV connectors"):
-        LLMEngine(
-            EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2),
-            connector=object(),  # type: ignore[arg-type]
-        )
+    # KV connectors run on every rank (test_tp_pd.py); one that cannot (no worker recipe:
+    # LMCache, or built outside kv_store.factory) is refused before any worker starts.
+    from kv_store.block_connector import BlockStoreConnector
+    from kv_store.fs_backend import FsBackend
+
+    bare = BlockStoreConnector(FsBackend(str(tmp_path)), name="fs")
+    with pytest.raises(ValueError, match="cannot serve tensor_parallel_size > 1"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2), bare)
 
 
 def test_flag_env_twin_and_up_forwarding(
