@@ -52,6 +52,7 @@ def _engine(settings: dict[str, Any], blocks: int, max_len: int) -> Any:
         num_kv_blocks=blocks,
         max_model_len=max_len,
         max_num_batched_tokens=max_len,
+        kv_cache_dtype=os.environ.get("P2P_BENCH_KV_DTYPE", "auto"),
     )
     return LLMEngine(config, connector)
 
@@ -181,11 +182,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (both engines)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args()
     # The spawned producer reads these too.
     os.environ["P2P_BENCH_CONFIG"], os.environ["P2P_BENCH_DEVICE"] = args.config, args.device
+    os.environ["P2P_BENCH_KV_DTYPE"] = args.kv_cache_dtype
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.connectors.split(","):
