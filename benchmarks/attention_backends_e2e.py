@@ -90,6 +90,9 @@ def run_e2e(save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
             log.info("e2e %s %s %s", backend, name, r)
             save(out)
         del engine
+        # LLMEngine gc.freeze()s what it built; frozen objects are never collected, so
+        # without unfreeze the next engine finds this one's KV cache still on the GPU.
+        gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache()
     return out

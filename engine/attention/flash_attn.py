@@ -8,9 +8,9 @@ paged varlen entry point and our Triton kernel (engine/attention/triton_backend.
 - ``policy="flash_attn"`` (``--attention-backend flash_attn``): FA4 for every step with a
   query longer than one token (prefill, chunked prefill, mixed batches); pure decode stays
   on Triton, which the H200 table (``SHAPE_TABLE``) measures as faster there.
-- ``policy="auto"``: FA4 only for the step shapes where the table measured it faster (on
-  the H200: prefill and chunked prefill, so the two policies differ only where FA4
-  cannot run: float32, where auto uses Triton and flash_attn raises).
+- ``policy="auto"``: FA4 only for the step shapes where the table measured it faster in
+  every run (on the H200: chunked prefill over a long cached context); Triton elsewhere,
+  and wherever FA4 cannot run (float32, where auto uses Triton and flash_attn raises).
 
 FA4 reads our cache as it is: ``kv_cache[0]``/``kv_cache[1]`` are
 ``[num_blocks, block_size, kv_heads, head_dim]`` pages, ``block_tables`` its ``page_table``,
@@ -57,30 +57,38 @@ _FA4_DTYPES = (torch.bfloat16, torch.float16)
 class ShapeRule:
     """One row of the measured table: the step shape it covers and the faster kernel."""
 
-    shape: str  # "decode" | "prefill" | "chunked_prefill"
+    shape: str  # "decode" | "prefill" | "chunked_prefill" | "long_chunked_prefill"
     winner: str  # "triton" | "flash_attn"
     evidence: str  # the measured kernel times, FA4 vs Triton (ms), for the reader
 
 
 # Kernel times on one H200, 8B head shape (32 query heads, 8 KV heads, dim 128, bf16,
 # 16-token pages), FA4 4.0.0b36 vs our Triton kernel on the same cache, from
-# benchmarks/attention_backends.py (benchmarks/gpu_h200.md, "Attention backends", run of
-# 2026-12-01; JSON benchmarks/attention_backends_h200.json).
+# benchmarks/attention_backends.py (benchmarks/gpu_h200.md, "Attention backends": two runs
+# of 2026-12-01, JSON attention_backends_h200.json and attention_backends_h200_run2.json).
+# A shape goes to FA4 only where it won in both runs: FA4's host-side launch is long
+# enough that sub-0.25 ms kernels flip between runs (2k prefill 0.100 then 0.218 ms).
 SHAPE_TABLE: tuple[ShapeRule, ...] = (
-    ShapeRule("decode", "triton", "b1 x 512: 0.183 vs 0.121; b64 x 2k: 0.238 vs 0.155"),
-    ShapeRule("prefill", "flash_attn", "one 2k prompt: 0.100 vs 0.132"),
-    ShapeRule("chunked_prefill", "flash_attn", "4 x 512 over 2k: 0.122 vs 0.199"),
+    ShapeRule("decode", "triton", "b1 x 512: 0.183/0.211 vs 0.121; b64 x 2k: 0.238 vs 0.155"),
+    ShapeRule("prefill", "triton", "one 2k prompt: 0.100/0.218 vs 0.132/0.135"),
+    ShapeRule("chunked_prefill", "triton", "4 x 512 over 2k: 0.122/0.211 vs 0.199/0.200"),
+    ShapeRule("long_chunked_prefill", "flash_attn", "2k over 8k: 0.432/0.418 vs 0.700/0.706"),
 )
+
+# Cached context from which a chunked prefill counts as long (the 8k row above).
+LONG_CONTEXT_TOKENS = 4096
 
 
 def step_shape(meta: AttentionMetadata) -> str:
     """Classify a step from host integers only (no device sync): ``decode`` when every
     request brings one token, ``chunked_prefill`` when the longest context holds at least
-    as many cached tokens as the longest query, else ``prefill``."""
+    as many cached tokens as the longest query (``long_chunked_prefill`` from
+    ``LONG_CONTEXT_TOKENS`` of them), else ``prefill``."""
     if meta.max_query_len <= 1:
         return "decode"
-    if meta.max_seq_len - meta.max_query_len >= meta.max_query_len:
-        return "chunked_prefill"
+    cached = meta.max_seq_len - meta.max_query_len
+    if cached >= meta.max_query_len:
+        return "long_chunked_prefill" if cached >= LONG_CONTEXT_TOKENS else "chunked_prefill"
     return "prefill"
 
 

@@ -87,8 +87,8 @@ def test_kernel_parity(name: str, dtype: torch.dtype) -> None:
 
 
 def test_auto_routes_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: chunked prefill through FA4, decode through Triton, fresh prefill as the
-    table says; the explicit policy sends every multi-token step to FA4. Results agree
+    """auto: chunked prefill over a long context through FA4, decode through Triton, the
+    other shapes as the table says; the explicit policy sends every multi-token step to FA4. Results agree
     with float64 attention either way."""
     import engine.attention.flash_attn as fa
     from engine.attention.triton_testing import make_case, reference_attention, relative_error
@@ -101,14 +101,20 @@ def test_auto_routes_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fa, "flash_attn_paged", counting)
-    cases = {"decode": ([1] * 8, [700] * 8), "prefill": ([600], [0]), "chunked": ([256], [1024])}
+    cases = {
+        "decode": ([1] * 8, [700] * 8),
+        "prefill": ([600], [0]),
+        "chunked": ([256], [1024]),
+        "long_chunked": ([256], [4200]),
+    }
     want = {
         "auto": {
             "decode": 0,
             "prefill": int(fa.table_winner("prefill") == "flash_attn"),
-            "chunked": 1,
+            "chunked": int(fa.table_winner("chunked_prefill") == "flash_attn"),
+            "long_chunked": 1,
         },
-        "flash_attn": {"decode": 0, "prefill": 1, "chunked": 1},
+        "flash_attn": {"decode": 0, "prefill": 1, "chunked": 1, "long_chunked": 1},
     }
     for policy, expected in want.items():
         backend = fa.FlashAttention(policy=policy)
