@@ -94,6 +94,8 @@ def decode_rate(
 ) -> tuple[float, float]:
     """(ms per decode step, decode tok/s) at ``batch_size``: each repeat times 1 + ``new``
     tokens and 1 token on fresh prompts (no prefix hits) and takes the difference."""
+    # One untimed pass of the same shapes first: a shape's first step pays its JIT compiles.
+    timed_generate(llm, prompts(batch_size, prompt_len, vocab, seed - 1), 1 + new)
     diffs = []
     for i in range(repeats):
         long_batch = prompts(batch_size, prompt_len, vocab, seed + 2 * i)

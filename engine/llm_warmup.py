@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WARMUP_NEW_TOKENS = 8
+LONE_PROMPT_TOKENS = 512
 
 
 def warmup_prompts(engine: LLMEngine, seed: int = 0) -> list[list[int]]:
@@ -63,6 +64,13 @@ def warm_up(engine: LLMEngine) -> float:
         engine.add_request(f"warmup-{i}", prompt, params)
     while engine.has_unfinished():
         engine.step()
+    # Then one request alone: a lone prefill and batch-1 decode steps are shapes of their
+    # own (on the H200 the first lone 512-token prompt after the batch pass took 1.3 s).
+    if prompts:
+        lone = prompts[0][: min(len(prompts[0]), LONE_PROMPT_TOKENS)]
+        engine.add_request("warmup-lone", lone, params)
+        while engine.has_unfinished():
+            engine.step()
     engine.reset_prefix_cache()
     seconds = time.perf_counter() - t0
     logger.info(

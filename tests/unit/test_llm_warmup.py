@@ -58,6 +58,17 @@ def test_warmup_prompts_cover_a_full_prefill_and_mixed_steps(tiny_model_dir: Pat
     warm_up(llm.engine)
     assert any(n == cfg.max_num_batched_tokens for n, _ in kinds)
     assert any(mixed for _, mixed in kinds)
+    # The lone pass: a step with one request's prefill and then batch-1 decodes.
+    batch_sizes: list[int] = []
+
+    def count() -> object:
+        out = schedule()
+        batch_sizes.append(len(out.scheduled))
+        return out
+
+    llm.engine.scheduler.schedule = count  # type: ignore[method-assign]
+    warm_up(llm.engine)
+    assert batch_sizes[-1] == 1 and batch_sizes.count(1) > 1
 
 
 def test_warmup_refuses_a_busy_engine(tiny_model_dir: Path) -> None:
