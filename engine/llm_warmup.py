@@ -64,10 +64,16 @@ def warm_up(engine: LLMEngine) -> float:
         engine.add_request(f"warmup-{i}", prompt, params)
     while engine.has_unfinished():
         engine.step()
-    # Then one request alone: a lone prefill and batch-1 decode steps are shapes of their
-    # own (on the H200 the first lone 512-token prompt after the batch pass took 1.3 s).
-    if prompts:
-        lone = prompts[0][: min(len(prompts[0]), LONE_PROMPT_TOKENS)]
+    # Then one request alone with a longer prompt: a lone prefill whose query is longer
+    # than any of the batch pass's short prompts is a shape of its own (on the H200 the
+    # first lone 512-token prompt after the batch pass alone took 1.3 s), and batch-1
+    # decode steps follow it.
+    room = engine.max_model_len - WARMUP_NEW_TOKENS - 1
+    free_tokens = engine.kv.pool.num_free_blocks * engine.config.block_size
+    lone_len = min(LONE_PROMPT_TOKENS, room, free_tokens // 2)
+    if prompts and lone_len >= 2:
+        rng = random.Random(1)
+        lone = [rng.randrange(engine.args.vocab_size) for _ in range(lone_len)]
         engine.add_request("warmup-lone", lone, params)
         while engine.has_unfinished():
             engine.step()
