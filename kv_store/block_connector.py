@@ -160,6 +160,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         keys = all_keys[t.start_block :]
         res = TransferResult(t.request_id, "save", True, keys=all_keys)
         skipped = 0
+        futures: list[Future[int]] = []  # settled in finally, also when exists() fails
         try:
             present = self.backend.exists(keys) if keys else []
             todo = [(i, k) for i, k, p in zip(idx, keys, present, strict=True) if not p]

@@ -67,16 +67,18 @@ def test_up_serves_a_completion_and_leaves_no_process(tmp_path: Path, tiny_model
 
 
 def test_up_names_a_child_that_dies_at_startup(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The engines read PDSERVE_ATTENTION_BACKEND (an env twin); a bad value kills them."""
+    """The engines read PDSERVE_BLOCK_SIZE (an env twin that ``pdserve up`` does not
+    forward, so it cannot refuse it first); a block size that is not a power of two kills
+    them at startup."""
     (port,) = free_ports(1)
-    bad = {"PDSERVE_ATTENTION_BACKEND": "no-such-backend"}
+    bad = {"PDSERVE_BLOCK_SIZE": "24"}
     up = UpProcess(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), *SMALL, env=bad)
     try:
         status = up.proc.wait(timeout=READY_TIMEOUT_S)
         out = up.output()
         assert status == 1, out
-        assert re.search(r"(prefill|decode)-0 exited with status 2 during startup", out), out
-        assert "no-such-backend" in out, "the log tail with the cause is missing"
+        assert re.search(r"(prefill|decode)-0 exited with status \d+ during startup", out), out
+        assert "block_size must be a power of two" in out, "the log tail with the cause is missing"
         assert "pdserve is ready" not in out
         assert not descendants(up.proc.pid)
     finally:
