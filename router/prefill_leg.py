@@ -6,13 +6,16 @@ None when no instance could commit it after the first token was already sent (de
 computes the prompt itself, counted in ``pdserve_kv_load_fallbacks_total``). A failed KV
 save (the store is down; the trailer ``pdserve-error: kv-save-failed``) is not the
 instance's fault: it is neither taken out nor retried elsewhere, and decode computes the
-prompt (``reason="save_failed"``). When the
+prompt (``reason="save_failed"``). A call on an instance that the health checks take out
+(a paused or hung prefill) is cancelled at once by a :class:`StreamWatch` and retried like
+a failed one, instead of waiting for its deadline. When the
 consumer leaves early (client gone, or the first token ended the request) the call is
 cancelled and ``Abort`` sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from router.rpc import (
     logprobs_of,
     sampling_proto,
 )
+from router.stream_watch import StreamWatch
 from router.trace import Job, TokenLogprob, Trace
 
 logger = logging.getLogger(__name__)
@@ -71,18 +75,32 @@ async def prefill_events(
         done = False
         inst.inflight += 1
         try:
-            async for event in call:
-                _record_prefill_timings(leg, job, trace, event)
-                if event.HasField("first_token") and not first_sent:
-                    first_sent = True
-                    ft = event.first_token
-                    trace.cached_tokens = ft.num_cached_tokens
-                    lps = logprobs_of([ft.logprob]) if ft.HasField("logprob") else None
-                    yield PrefillFirst(ft.token_id, ft.text, lps, ft.finished, ft.finish_reason)
-                elif event.HasField("kv_committed"):
-                    done = True
-                    yield event.kv_committed
-                    return
+            # Health-only watch: its idle clock is the call's own deadline (a long prompt
+            # may take that long to its first token); ``held`` while the consumer works.
+            async with StreamWatch(call, inst, leg.prefill_timeout) as watch:
+                try:
+                    async for event in call:
+                        _record_prefill_timings(leg, job, trace, event)
+                        if event.HasField("first_token") and not first_sent:
+                            first_sent = True
+                            ft = event.first_token
+                            trace.cached_tokens = ft.num_cached_tokens
+                            lps = logprobs_of([ft.logprob]) if ft.HasField("logprob") else None
+                            watch.held = True
+                            yield PrefillFirst(
+                                ft.token_id, ft.text, lps, ft.finished, ft.finish_reason
+                            )
+                            watch.held = False
+                        elif event.HasField("kv_committed"):
+                            done = True
+                            yield event.kv_committed
+                            return
+                except asyncio.CancelledError:
+                    if not watch.stalled():
+                        raise  # the consumer itself is cancelled (client gone)
+                    # A paused instance that comes back must not keep the request running.
+                    leg.abort_later(inst, job.request_id)
+                    raise StreamBroken(watch.reason or "stalled") from None
             raise StreamBroken("prefill stream ended before the KV was committed")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True

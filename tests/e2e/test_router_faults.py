@@ -29,6 +29,7 @@ class Faults:
     decode: list[ServiceProcess]
     router: ServiceProcess  # health checks every 0.5 s
     slow_router: ServiceProcess  # health checks every 60 s, round-robin prefill
+    rr_router: ServiceProcess  # health checks every 0.5 s, round-robin prefill
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,12 @@ def faults(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
             decode=decode,
             extra_args=[*common, "--health-interval", "60", "--prefill-policy", "round_robin"],
         )
-        yield Faults(prefill, decode, router, slow)
+        rr = procs.router(
+            prefill=prefill,
+            decode=decode,
+            extra_args=[*common, "--health-interval", "0.5", "--prefill-policy", "round_robin"],
+        )
+        yield Faults(prefill, decode, router, slow, rr)
     finally:
         for child in procs.children:
             child.signal(signal.SIGCONT)  # a paused child must be able to stop
@@ -143,6 +149,53 @@ def test_decode_killed_mid_stream_fails_over_exactly(faults: Faults) -> None:
     assert text == expected_text
     # The router keeps serving with the survivor.
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
+
+
+def test_paused_prefill_calls_fail_over_while_it_is_paused(faults: Faults) -> None:
+    """Prefill calls in flight on a paused (SIGSTOP) instance are cancelled when the health
+    checks take it out and retried on the other one: every request completes, with the
+    undisturbed output, while the instance is still paused (it is resumed only after; the
+    prefill deadline, 60 s, is longer than the 45 s the test waits)."""
+    router = faults.rr_router
+    url = f"{router.url}/metrics"
+    retries = metric(url, "pdserve_prefill_retries_total")
+    victim = faults.prefill[1]
+    prompts = [f"{i} paused: {PROMPT}" for i in range(8)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        out = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0
+        )
+        return out.choices[0].text
+
+    async def load() -> list[str | BaseException]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=120
+        )
+        victim.signal(signal.SIGSTOP)
+        try:
+            # Round robin: half of these go to the paused instance before it is taken out.
+            tasks = [asyncio.create_task(one(client, p)) for p in prompts]
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 45)
+        finally:
+            victim.signal(signal.SIGCONT)
+            await client.close()
+
+    results = asyncio.run(load())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert metric(url, "pdserve_prefill_retries_total") >= retries + 1
+    reference = client_for(faults.router)
+    for prompt, text in zip(prompts, results, strict=True):
+        want = reference.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0
+        )
+        assert text == want.choices[0].text, prompt
+    wait_for(
+        lambda: instance_healthy(router, "prefill", victim.address),
+        30,
+        "the resumed prefill instance to be put back",
+    )
 
 
 def test_prefill_killed_under_load_is_retried(faults: Faults) -> None:
