@@ -126,8 +126,22 @@ class Orchestrator:
                 decode_deltas(self.leg, job, trace, 0, [first.token_id], handle, text, router_text)
             )
         streams += [decode_deltas(self.leg, job, trace, i, [], handle) for i in range(1, job.n)]
-        async for delta in merge_streams(streams):
-            yield delta
+        finished = False
+        try:
+            async for delta in merge_streams(streams):
+                yield delta
+            finished = True
+        finally:
+            if not finished and handle is not None and handle.source_address:
+                self._end_p2p_hold(job, trace)
+
+    def _end_p2p_hold(self, job: Job, trace: Trace) -> None:
+        """The request ended early (client gone, decode failed) after a p2p prefill
+        committed: ``Abort`` there ends the hold now instead of at the lease's end (a no-op
+        when the decode already pulled; docs/design.md §3 "p2p pull protocol")."""
+        for inst in self.leg.prefill_pool.instances():
+            if inst.url == trace.prefill_instance:
+                self.leg.abort_later(inst, job.request_id)
 
 
 def _side(pool: InstancePool, job: Job) -> SideLoad | None:

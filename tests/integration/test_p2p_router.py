@@ -6,6 +6,7 @@ left holding blocks.
 
 from __future__ import annotations
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -81,3 +82,37 @@ def test_two_by_two_concurrent_parity(process_stack: ProcessStack) -> None:
     ]
     assert sum(received) == len(jobs) and all(received), received
     assert metric(disagg.url + "/metrics", "pdserve_kv_bytes_total", connector="p2p") > 0
+
+
+def test_client_gone_before_the_pull_ends_the_hold_at_once(process_stack: ProcessStack) -> None:
+    """A client that leaves after the prefill committed its KV but before the decode pulled
+    it: the router aborts the request on the prefill too, so its blocks are freed now, not
+    when the (here 120 s) lease ends. The decode is paused so that it cannot pull."""
+    p2p = (*P2P, "--p2p-lease-seconds", "120")
+    prefill = process_stack.service("prefill", connector_args=p2p)
+    decode = process_stack.service("decode", connector_args=p2p)
+    # Slow health checks and a long idle deadline: the paused decode stays selected.
+    router = process_stack.router(
+        prefill=[prefill],
+        decode=[decode],
+        extra_args=["--served-model-name", "tiny", "--health-interval", "60",
+                    "--stream-idle-timeout", "120"],
+    )  # fmt: skip
+
+    def held() -> float:
+        return metric(prefill.metrics_url, "pdserve_kv_p2p_blocks_held")
+
+    decode.signal(signal.SIGSTOP)
+    try:
+        stream = openai_client(router.url).completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=8, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        first = next(iter(stream))
+        assert first.choices and first.choices[0].text is not None
+        wait_for(lambda: held() > 0, 30, "the prefill to hold the committed blocks")
+        stream.close()  # the client goes away while the decode cannot pull
+        wait_for(lambda: held() == 0, 15, "the prefill to free its blocks once the client left")
+        assert metric(prefill.metrics_url, "pdserve_kv_p2p_lease_ends_total", reason="pulled") == 0
+    finally:
+        decode.signal(signal.SIGCONT)
