@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 from urllib.parse import urlparse
@@ -178,6 +178,25 @@ class LMCacheConnector(AsyncConnectorBase):
         except FutureTimeout:
             raise TimeoutError(f"LMCache call did not finish within {timeout_s:.1f} s") from None
 
+    def _call_on_cache(self, timeout_s: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``_call`` for a call that reads or writes the paged cache (store, retrieve). On a
+        timeout it still waits, up to one more transfer timeout, for the call to end before
+        raising: the engine frees or recomputes the blocks once the result is out, and a
+        late retrieve would overwrite recomputed KV, a late store would save blocks already
+        reused by another request under this prompt's keys."""
+        fut = self._io.submit(fn, *args, **kwargs)
+        try:
+            return fut.result(timeout=max(0.01, timeout_s))
+        except FutureTimeout:
+            done, _ = wait([fut], timeout=self.transfer_timeout_s)
+            if not done:
+                logger.error(
+                    "LMCache call still running %.0f s past its deadline; its blocks are "
+                    "reported and may be reused while it runs",
+                    self.transfer_timeout_s,
+                )
+            raise TimeoutError(f"LMCache call did not finish within {timeout_s:.1f} s") from None
+
     def _request_tensors(self, t: KVTransfer) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Tokens, slot mapping (one slot per token) and the block size, for ``t``."""
         _, layout = self._bound()
@@ -244,7 +263,7 @@ class LMCacheConnector(AsyncConnectorBase):
                 mask = torch.zeros(total, dtype=torch.bool)
                 mask[skip:] = True
                 failed_before = self._remote.put_failed_count
-                self._call(
+                self._call_on_cache(
                     deadline.remaining(),
                     self._engine.store,
                     tokens,
@@ -305,7 +324,7 @@ class LMCacheConnector(AsyncConnectorBase):
         mask = torch.zeros(total, dtype=torch.bool)
         mask[start:] = True
         try:
-            got = self._call(
+            got = self._call_on_cache(
                 deadline.remaining(),
                 self._engine.retrieve,
                 tokens,
