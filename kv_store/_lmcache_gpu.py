@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from lmcache.v1.gpu_connector import GPUConnectorInterface
 
-from engine.attention.kv_quant import byte_view
-from kv_store.record import copy_into
+from kv_store.record import byte_view, copy_into
 
 
 class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]

@@ -8,8 +8,7 @@ import contextlib
 import numpy as np
 import torch
 
-from engine.attention.kv_quant import byte_view
-from kv_store.record import cache_numpy
+from kv_store.record import byte_view, cache_numpy
 
 
 class Staging:

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 
+# The cache-byte view lives with the KV records (kv_store must not import the engine).
+from kv_store.record import byte_view  # noqa: F401  (re-exported for the engine)
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value; stores saturate there (never NaN)
@@ -48,8 +51,3 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
     if scale != 1.0:
         y = y * scale
     return y.to(dtype)
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as uint8 when it is one-byte float8 (same shape), else ``t``."""
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.kv_quant import byte_view
+from kv_store.record import byte_view
 
 _DTYPES = {
     "float32": torch.float32,
