@@ -1,8 +1,8 @@
 """Process lifecycle of an engine service (prefill or decode): build, serve, drain, exit.
 
-``run_service`` loads the engine, starts the gRPC server (with the error-mapping
-interceptor and ``grpc.health.v1``) and the ``/metrics`` HTTP server, reports SERVING, and
-waits for SIGTERM or SIGINT. Then it drains: health turns NOT_SERVING, new requests are
+``run_service`` binds the gRPC port (error-mapping interceptor, ``grpc.health.v1``) and the
+``/metrics`` HTTP server first, loads the engine (health NOT_SERVING meanwhile; docs/design.md
+§3, "Ports before the model"), starts serving, reports SERVING, and waits for SIGTERM or SIGINT. Then it drains: health turns NOT_SERVING, new requests are
 refused with UNAVAILABLE, in-flight requests get ``--drain-grace`` seconds to finish, and
 only then does the server stop and the engine shut down. A second signal skips the wait.
 """
@@ -108,19 +108,7 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
     tls = TlsFiles.load(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_ca)
     if settings.grpc_allowed_clients and tls is None:
         raise ValueError("--grpc-allowed-clients needs mTLS (--grpc-tls-cert/-key/-ca)")
-    config = engine_config_from_args(args)
-    connector = build_connector(args)
-    engine = AsyncLLMEngine(config, connector)
-    await engine.start()
     metrics = ServiceMetrics.create(role)
-    metrics.watch_engine(engine)
-    core = EngineServiceCore(
-        role=role,
-        engine=engine,
-        metrics=metrics,
-        model_name=settings.model_name,
-        max_waiting=settings.max_waiting,
-    )
     interceptors = _interceptors(settings, tls, metrics)
     interceptors.append(
         ErrorMappingInterceptor(
@@ -128,17 +116,34 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         )
     )
     server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
-    names = register(server, core, connector)
     health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_server = None
     metrics_server = None
+    engine: AsyncLLMEngine | None = None
     try:
+        # The ports are claimed before the engine loads: the engine's helpers (the tensor-
+        # parallel store, gloo) bind ephemeral loopback ports and could otherwise take ours,
+        # and a port already in use fails at once instead of after the model load.
         port = _listen(server, f"{settings.host}:{settings.port}", tls)
         if settings.grpc_health_port:
             health_server = await _serve_health(health_servicer, settings)
         if settings.metrics_port:
             metrics_server = metrics.serve(settings.host, settings.metrics_port)
+        config = engine_config_from_args(args)
+        connector = build_connector(args)
+        engine = AsyncLLMEngine(config, connector)
+        await engine.start()
+        metrics.watch_engine(engine)
+        core = EngineServiceCore(
+            role=role,
+            engine=engine,
+            metrics=metrics,
+            model_name=settings.model_name,
+            max_waiting=settings.max_waiting,
+        )
+        names = register(server, core, connector)
         await server.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -160,7 +165,8 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
     finally:
         if health_server is not None:
             await health_server.stop(grace=None)
-        await engine.shutdown()  # also closes the connector
+        if engine is not None:
+            await engine.shutdown()  # also closes the connector
         if metrics_server is not None:
             metrics_server.shutdown()
     if engine.fatal_error is not None:
@@ -187,12 +193,14 @@ def _interceptors(
 
 def _listen(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
     """Bind ``address`` (with mTLS when ``tls``); ValueError when it cannot be bound."""
-    if tls is None:
-        return server.add_insecure_port(address)
     try:
+        if tls is None:
+            return server.add_insecure_port(address)
         return server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as exc:
-        raise ValueError(f"cannot listen with mTLS on {address}: {exc}") from None
+        # grpc's message is generic; the usual cause is another process on the port.
+        how = "with mTLS " if tls else ""
+        raise ValueError(f"cannot listen {how}on {address} (in use?): {exc}") from None
 
 
 async def _serve_health(health_servicer: Any, settings: ServiceSettings) -> grpc.aio.Server:

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +135,24 @@ def wait_healthy(child: ServiceProcess, probe: object, timeout: float = START_TI
         time.sleep(0.2)
 
 
+# A child that lost its port to another process between ``free_ports`` and its own bind
+# (the ports are free when picked, then released) is started again on new ports.
+PORT_RACE_MARKS = ("cannot listen on", "Address already in use", "address already in use")
+PORT_RACE_ATTEMPTS = 3
+
+
+def _retry_port_race(start: Callable[[], ServiceProcess]) -> ServiceProcess:
+    """``start()`` again (new ports) when it failed only because its port was taken."""
+    for attempt in range(PORT_RACE_ATTEMPTS):
+        try:
+            return start()
+        except RuntimeError as exc:
+            lost_port = any(mark in str(exc) for mark in PORT_RACE_MARKS)
+            if not lost_port or attempt == PORT_RACE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_service(
     role: str,
     model_dir: str | Path,
@@ -148,6 +166,23 @@ def start_service(
 ) -> ServiceProcess:
     """A ``prefill`` or ``decode`` service on free ports, SERVING when this returns."""
     assert role in ("prefill", "decode"), role
+    return _retry_port_race(
+        lambda: _start_service_once(
+            role, model_dir, log_dir, connector_args, extra_args, env, name, timeout
+        )
+    )
+
+
+def _start_service_once(
+    role: str,
+    model_dir: str | Path,
+    log_dir: Path,
+    connector_args: Sequence[str],
+    extra_args: Sequence[str],
+    env: dict[str, str] | None,
+    name: str | None,
+    timeout: float,
+) -> ServiceProcess:
     port, metrics_port = free_ports(2)
     name = name or f"{role}-{port}"
     module = "prefill_service.server" if role == "prefill" else "decode_service.server"
@@ -190,6 +225,23 @@ def start_router(
     timeout: float = START_TIMEOUT_S,
 ) -> ServiceProcess:
     """The router (``pdserve router``) on a free port over the given services, healthy when returned."""
+    return _retry_port_race(
+        lambda: _start_router_once(
+            model_dir, log_dir, prefill, decode, mode, extra_args, env, timeout
+        )
+    )
+
+
+def _start_router_once(
+    model_dir: str | Path,
+    log_dir: Path,
+    prefill: Sequence[ServiceProcess],
+    decode: Sequence[ServiceProcess],
+    mode: str,
+    extra_args: Sequence[str],
+    env: dict[str, str] | None,
+    timeout: float,
+) -> ServiceProcess:
     (port,) = free_ports(1)
     name = f"router-{port}"
     argv = [

@@ -55,7 +55,8 @@ def _free_gpu_memory() -> Iterator[None]:
 
 
 def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+    """Fixed, so a failure reruns the same; ``PDSERVE_TEST_SEED`` tries others."""
+    return int(os.environ.get("PDSERVE_TEST_SEED", "20261201"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 from pathlib import Path
 
 import grpc
@@ -14,7 +16,7 @@ import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.service_fixtures import start_service
+from tests.service_fixtures import spawn, start_service
 
 GREEDY = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -63,3 +65,34 @@ def test_a_dead_rank_takes_the_service_down(tmp_path: Path, tiny_model_dir: Path
         assert "engine died" in service.log_tail(80)
     finally:
         service.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_port_fails_at_once_before_the_model_loads(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The service claims its ports before the engine starts (the tensor-parallel store and
+    gloo bind ephemeral loopback ports that could otherwise take the service's own port): a
+    port already in use is one clear line and exit status 2, and no model is loaded first."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        argv = [
+            *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
+            *("--port", str(port), "--metrics-port", "0", "--model", str(tiny_model_dir)),
+            *("--tensor-parallel-size", "2"),
+        ]
+        proc = spawn("taken-port", argv, tmp_path)
+        try:
+            status = proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log = (tmp_path / "taken-port.log").read_text()
+        assert status == 2, log
+        assert f"cannot listen on 127.0.0.1:{port}" in log and "cannot start" in log, log
+        assert "KV cache:" not in log and "tensor parallel" not in log, "the engine loaded first"
+    finally:
+        holder.close()
