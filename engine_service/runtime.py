@@ -130,7 +130,7 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         if settings.grpc_health_port:
             health_server = await _serve_health(health_servicer, settings)
         if settings.metrics_port:
-            metrics_server = metrics.serve(settings.host, settings.metrics_port)
+            metrics_server = _serve_metrics(metrics, settings)
         config = engine_config_from_args(args)
         connector = build_connector(args)
         engine = AsyncLLMEngine(config, connector)
@@ -203,12 +203,21 @@ def _listen(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
         raise ValueError(f"cannot listen {how}on {address} (in use?): {exc}") from None
 
 
+def _serve_metrics(metrics: ServiceMetrics, settings: ServiceSettings) -> Any:
+    """The ``/metrics`` HTTP server; ValueError (one line at exit) when its port is taken."""
+    try:
+        return metrics.serve(settings.host, settings.metrics_port)
+    except OSError as exc:
+        address = f"{settings.host}:{settings.metrics_port}"
+        raise ValueError(f"cannot serve metrics on {address} (in use?): {exc}") from None
+
+
 async def _serve_health(health_servicer: Any, settings: ServiceSettings) -> grpc.aio.Server:
     """A second, plaintext server with only ``grpc.health.v1``: the kubelet's gRPC probes
     cannot present a client certificate. It shares the main server's health states."""
     server = grpc.aio.server(options=_GRPC_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(f"{settings.host}:{settings.grpc_health_port}")
+    _listen(server, f"{settings.host}:{settings.grpc_health_port}", None)
     await server.start()
     return server
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdserve.procs import free_ports
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.service_fixtures import spawn, start_service
@@ -68,8 +69,12 @@ def test_a_dead_rank_takes_the_service_down(tmp_path: Path, tiny_model_dir: Path
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [("--port", "cannot listen on"), ("--metrics-port", "cannot serve metrics on")],
+)
 def test_a_taken_port_fails_at_once_before_the_model_loads(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, flag: str, says: str
 ) -> None:
     """The service claims its ports before the engine starts (the tensor-parallel store and
     gloo bind ephemeral loopback ports that could otherwise take the service's own port): a
@@ -77,12 +82,15 @@ def test_a_taken_port_fails_at_once_before_the_model_loads(
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
-    port = holder.getsockname()[1]
+    taken = holder.getsockname()[1]
+    (free,) = free_ports(1)
+    ports = {"--port": free, "--metrics-port": free}
+    ports[flag] = taken
     try:
         argv = [
             *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
-            *("--port", str(port), "--metrics-port", "0", "--model", str(tiny_model_dir)),
-            *("--tensor-parallel-size", "2"),
+            *("--port", str(ports["--port"]), "--metrics-port", str(ports["--metrics-port"])),
+            *("--model", str(tiny_model_dir), "--tensor-parallel-size", "2"),
         ]
         proc = spawn("taken-port", argv, tmp_path)
         try:
@@ -92,7 +100,8 @@ def test_a_taken_port_fails_at_once_before_the_model_loads(
                 proc.kill()
         log = (tmp_path / "taken-port.log").read_text()
         assert status == 2, log
-        assert f"cannot listen on 127.0.0.1:{port}" in log and "cannot start" in log, log
+        assert f"{says} 127.0.0.1:{taken}" in log and "cannot start" in log, log
         assert "KV cache:" not in log and "tensor parallel" not in log, "the engine loaded first"
+        assert "Traceback" not in log, log
     finally:
         holder.close()
