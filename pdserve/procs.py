@@ -14,6 +14,7 @@ import ctypes
 import functools
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -89,14 +90,50 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports (held open together so they differ)."""
-    socks = []
+# Ports are picked below the kernel's ephemeral range when there is room: a port picked
+# here is released until its owner binds it, and meanwhile any bind(0) or outgoing
+# connection (a tensor-parallel store, gloo, a client socket) could be handed the same
+# ephemeral port. Below the range only another picker can collide.
+_PICK_FLOOR = 10_000
+_PICK_TRIES = 64
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The low end of the kernel's ephemeral port range (0 when unknown)."""
     try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bind_loopback(port: int) -> socket.socket | None:
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free right now (held open together so they
+    differ), outside the ephemeral range when it leaves room (see above)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(_PICK_TRIES if low > _PICK_FLOOR + 1000 else 0):
+            if len(socks) == count:
+                break
+            sock = _bind_loopback(rng.randrange(_PICK_FLOOR, low))
+            if sock is not None:
+                socks.append(sock)
+        while len(socks) < count:  # no room below the range, or it is crowded
+            sock = _bind_loopback(0)
+            if sock is None:
+                raise OSError("no free loopback port")
+            socks.append(sock)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

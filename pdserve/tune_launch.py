@@ -11,13 +11,14 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from pdserve.procs import free_ports
 
 log = logging.getLogger(__name__)
 READY_MARKER = "pdserve is ready"
@@ -28,10 +29,8 @@ class LaunchFailed(RuntimeError):
 
 
 def free_port() -> int:
-    """A free loopback TCP port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free right now (``pdserve.procs.free_ports``)."""
+    return free_ports(1)[0]
 
 
 @dataclass(slots=True)

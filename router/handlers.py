@@ -170,7 +170,7 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
             f"{request_id}-{j}" if len(prompts) > 1 else request_id,
             ids,
             deps.processor.block_hashes(ids),
-            params,
+            params if j == 0 or req.seed is not None else params.reseeded(),
             max_tok,
             req.n,
             req.user,

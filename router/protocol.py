@@ -7,6 +7,7 @@ clear message instead of being silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from dataclasses import dataclass, field
@@ -209,6 +210,12 @@ class GenParams:
     skip_special_tokens: bool = True
     guided_kind: str = ""  # "" = no guide; else an engine GuidedSpec kind
     guided_value: str = ""
+
+    def reseeded(self) -> GenParams:
+        """A copy with a fresh random seed: each prompt of a batch the client did not seed
+        samples on its own (with a client seed every prompt uses it, as vLLM does, so a
+        prompt in a batch samples what it would alone)."""
+        return dataclasses.replace(self, seed=secrets.randbelow(SEED_SPACE))
 
     def choice_seed(self, index: int) -> int:
         """Seed of choice ``index``: choice 0 uses the request's seed (so n=1 matches the

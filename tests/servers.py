@@ -17,12 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.procs import free_ports
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free right now (``pdserve.procs.free_ports``)."""
+    return free_ports(1)[0]
 
 
 def _find(binary: str, hint: str) -> str:

@@ -281,3 +281,19 @@ def test_first_token_split_utf8_character(stack: Stack) -> None:
         .text
         == expected.text
     )
+
+
+def test_unseeded_batch_prompts_sample_independently(stack: Stack) -> None:
+    """Without a client seed each prompt of a batch draws its own (they shared the request's
+    one: the same prompt twice came back the same text); with a seed each prompt uses it."""
+    same = ["Seven eight nine", "Seven eight nine"]
+    kwargs = {
+        "prompt": same,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    unseeded = [c.text for c in complete(stack.client(), **kwargs).choices]
+    assert unseeded[0] != unseeded[1], unseeded
+    seeded = [c.text for c in complete(stack.client(), seed=7, **kwargs).choices]
+    assert seeded[0] == seeded[1], seeded

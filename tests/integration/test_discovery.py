@@ -13,6 +13,7 @@ import kmock
 import pytest
 from kubernetes import client
 
+from pdserve.procs import free_ports
 from router.discovery import (
     Backoff,
     DnsDiscovery,
@@ -75,9 +76,8 @@ async def running(discovery: Any) -> AsyncIterator[asyncio.Event]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port free right now (``pdserve.procs.free_ports``)."""
+    return free_ports(1)[0]
 
 
 async def test_endpointslices_join_and_leave() -> None:
