@@ -40,6 +40,9 @@ class RequestLimits:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys must be in [0, {self.vocab_size}), got {bad[:3]}")
         if len(generated) >= params.max_tokens:
             raise ValueError(
                 f"{len(generated)} tokens already generated but max_tokens is {params.max_tokens}"

@@ -1,4 +1,4 @@
-"""Token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+"""Token sampling: logit bias, penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
 Reproducibility: the random draw for a token depends only on the request's seed and the
 token's position (exponential-race sampling with a generator seeded from both), so a seed
@@ -47,6 +47,13 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
         out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    add = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    logits[ids] += add
     return logits
 
 
@@ -130,10 +137,7 @@ class Sampler:
         seeded draws); by default each request's ``num_tokens``. Under async scheduling a
         request's newest tokens may still be in flight, so the engine passes them."""
         if all(
-            r.params.greedy
-            and not r.params.has_penalties
-            and r.params.logprobs is None
-            and not r.logits_processors
+            r.params.plain_greedy and r.params.logprobs is None and not r.logits_processors
             for r in requests
         ):
             tokens = logits.argmax(-1)
@@ -195,6 +199,8 @@ class Sampler:
         logits = raw.clone()
         for processor in request.logits_processors:
             logits = processor(request.output_token_ids, logits)
+        if p.logit_bias:
+            logits = apply_logit_bias(logits, p.logit_bias)
         if p.has_penalties:
             logits = apply_penalties(logits, request)
         if not p.greedy:

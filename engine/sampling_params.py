@@ -27,6 +27,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k >= 0 = chosen token + top-k alternatives
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None  # grammar constraint (JSON schema, regex, choice, EBNF)
+    # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,12 +61,22 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             raise ValueError(f"guided must be a GuidedSpec, got {type(self.guided).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: the argmax of the model's row is the token."""
+        return self.greedy and not self.has_penalties and not self.logit_bias
 
     @property
     def has_penalties(self) -> bool:

@@ -50,6 +50,7 @@ def sampling_params_from_proto(
         # GuidedSpec raises ValueError on an unknown kind or malformed value; the engine
         # raises it (with the parser's message) for a schema/regex/grammar that won't parse.
         guided=GuidedSpec(msg.guided_kind, msg.guided_value) if msg.guided_kind else None,
+        logit_bias={int(t): float(b) for t, b in msg.logit_bias.items()},
     )
 
 

@@ -153,6 +153,11 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
             f"(size {vocab})",
             "stop_token_ids",
         )
+    if vocab and any(t >= vocab for t in params.logit_bias):
+        raise bad_request(
+            f"logit_bias: token {max(params.logit_bias)} is outside the vocabulary (size {vocab})",
+            "logit_bias",
+        )
     prompts = await _prompts_of(deps, req)
     limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
     deps.orchestrator.check_available()

@@ -109,8 +109,7 @@ class _CommonRequest(BaseModel):
             raise ValueError(f"stop accepts at most {MAX_STOP} strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+        logit_bias_of(self)  # token ids as keys, biases in [-100, 100] (ValueError otherwise)
         guide_of(self)  # at most one guide, each well-shaped (ValueError otherwise)
         return self
 
@@ -210,6 +209,7 @@ class GenParams:
     skip_special_tokens: bool = True
     guided_kind: str = ""  # "" = no guide; else an engine GuidedSpec kind
     guided_value: str = ""
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def reseeded(self) -> GenParams:
         """A copy with a fresh random seed: each prompt of a batch the client did not seed
@@ -249,7 +249,25 @@ def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | N
         skip_special_tokens=req.skip_special_tokens,
         guided_kind=guided_kind,
         guided_value=guided_value,
+        logit_bias=logit_bias_of(req),
     )
+
+
+def logit_bias_of(req: _CommonRequest) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) as ids; ValueError when a key is
+    not a token id or a bias is outside [-100, 100]. The vocabulary bound is the app's."""
+    out: dict[int, float] = {}
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if not 0 <= token <= UINT32_MAX:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        out[token] = float(bias)
+    return out
 
 
 def completion_params(req: CompletionRequest) -> GenParams:

@@ -96,6 +96,7 @@ def sampling_proto(job: Job, index: int) -> pdserve_pb2.SamplingParams:
         skip_special_tokens=p.skip_special_tokens,
         guided_kind=p.guided_kind,
         guided_value=p.guided_value,
+        logit_bias=p.logit_bias,
     )
 
 

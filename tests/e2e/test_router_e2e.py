@@ -213,6 +213,7 @@ def test_sampling_parameters_reach_the_engine(stack: Stack) -> None:
         "presence_penalty": 0.5,
         "frequency_penalty": 0.5,
         "repetition_penalty": 1.3,
+        "logit_bias": {1000: 3.0, 2000: -4.0},
     }
     offline = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4).generate(
         [PROMPT], SamplingParams(max_tokens=16, seed=11, ignore_eos=True, **knobs)
@@ -233,9 +234,42 @@ def test_sampling_parameters_reach_the_engine(stack: Stack) -> None:
             top_p=0.9,
             presence_penalty=0.5,
             frequency_penalty=0.5,
+            logit_bias={"1000": 3.0, "2000": -4.0},
             extra_body=extra,
         )
         assert out.choices[0].text == offline.text, router.name
+
+
+def test_logit_bias_forces_and_bans_tokens(stack: Stack) -> None:
+    """+100 on a token makes greedy decoding emit only it (completions and chat, both
+    modes, as the offline engine does); -100 on greedy's own first token changes it."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4)
+    forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={1000: 100})
+    want = llm.generate([PROMPT], forced)[0]
+    assert want.token_ids == [1000] * 6
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    ban = SamplingParams(max_tokens=1, temperature=0.0, logit_bias={first: -100})
+    want_banned = llm.generate([PROMPT], ban)[0]
+    assert want_banned.token_ids[0] != first
+    for router in (stack.disagg, stack.colocated):
+        client = stack.client(router)
+        bias = {"ignore_eos": True}
+        out = complete(client, max_tokens=6, logit_bias={"1000": 100}, extra_body=bias)
+        assert out.choices[0].text == want.text, router.name
+        chat = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=6,
+            temperature=0.0,
+            logit_bias={"1000": 100},
+            extra_body=bias,
+        )
+        assert chat.choices[0].message.content == want.text, router.name
+        banned = complete(client, max_tokens=1, logit_bias={str(first): -100}).choices[0].text
+        assert banned == want_banned.text, router.name
 
 
 def test_first_token_split_utf8_character(stack: Stack) -> None:

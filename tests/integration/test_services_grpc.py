@@ -195,6 +195,9 @@ def test_text_and_logprobs_are_streamed(stubs) -> None:
                 (pb.SamplingParams(max_tokens=3, logprobs=2**32 - 1), "logprobs"),
                 (pb.SamplingParams(max_tokens=3, top_k=-(2**31)), "top_k"),
                 (pb.SamplingParams(max_tokens=3, min_p=float("nan")), "min_p"),
+                (pb.SamplingParams(max_tokens=3, logit_bias={999_999: 1.0}), "logit_bias"),
+                (pb.SamplingParams(max_tokens=3, logit_bias={5: float("nan")}), "logit_bias"),
+                (pb.SamplingParams(max_tokens=3, logit_bias={5: 1e9}), "logit_bias"),
             ]
         ),
     ],

@@ -103,6 +103,29 @@ def test_repetition_penalty_changes_greedy_choice() -> None:
     assert Sampler()(logits, [penalised])[0].token_id == 2
 
 
+def test_logit_bias_moves_greedy_and_sampled_choices() -> None:
+    """+100 makes a token certain, -100 rules the argmax out; the raw logits (and logprobs)
+    are untouched, and the bias comes before temperature (a sampled row is pushed too)."""
+    raw = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    forced = _req(SamplingParams(temperature=0.0, logprobs=1, logit_bias={3: 100.0}))
+    banned = _req(SamplingParams(temperature=0.0, logit_bias={1: -100.0}), rid="b")
+    sampled = _req(SamplingParams(temperature=2.0, logit_bias={0: 100.0}), seed=9, rid="s")
+    tokens = Sampler()(torch.cat([raw, raw, raw]), [forced, banned, sampled])
+    assert [t.token_id for t in tokens] == [3, 2, 0]
+    assert tokens[0].logprob is not None
+    assert tokens[0].logprob.logprob == pytest.approx(raw[0].log_softmax(-1)[3].item())
+    assert raw.tolist() == [[0.0, 2.0, 1.5, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [({-1: 1.0}, "keys must be token ids"), ({2: 101.0}, r"\[-100, 100\]"), ({2: math.nan}, "100")],
+)
+def test_logit_bias_is_checked(bias: dict[int, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
 # -- seeded draws --------------------------------------------------------------------------
 
 

@@ -142,6 +142,11 @@ def test_max_model_len_above_model_limit(tiny_model_dir: Path) -> None:
             SamplingParams(stop_token_ids=[2, 49152]),
             r"stop_token_ids must be in \[0, 49152\), got \[49152\]",
         ),
+        (
+            [5, 6],
+            SamplingParams(logit_bias={3: 1.0, 49152: 2.0}),
+            r"logit_bias keys must be in \[0, 49152\), got \[49152\]",
+        ),
     ],
 )
 def test_add_request_rejects(

@@ -111,7 +111,11 @@ def test_valid_request_with_empty_pools_is_503(
         (COMP, {"prompt": "x"}, "model"),
         (COMP, {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, None),
         (COMP, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None),
-        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, None),
+        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"one": 5}}, None),
+        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"-1": 5}}, None),
+        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, None),
+        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": "up"}}, "logit_bias.1"),
+        (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias"),
         (COMP, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, None),
         (
             CHAT,
