@@ -91,7 +91,7 @@ class KVStoreSettings:
     p2p_port: int = 0
     p2p_lease_s: float = 30.0
     p2p_timeout_s: float = 10.0
-    # fs/redis: records carry HMAC-SHA256 under this secret (empty: checksums only).
+    # fs/redis: records carry a keyed BLAKE3 MAC under this secret (empty: checksums only).
     kv_secret: str = field(default="", repr=False)
     # p2p: the control-plane token a pulling peer must prove (empty: no check).
     p2p_token: str = field(default="", repr=False)
@@ -271,7 +271,7 @@ def add_cli_arguments(
     g.add_argument(
         "--kv-secret",
         default=env.get(KV_SECRET_ENV, ""),
-        help="fs/redis: seal every record with HMAC-SHA256 under this secret and refuse "
+        help="fs/redis: seal every record with a keyed MAC (BLAKE3) under this secret and refuse "
         "records that do not verify; set it in production (prefer the environment twin: "
         "a command line is visible to every user) (env PDSERVE_KV_SECRET)",
     )

@@ -9,9 +9,11 @@ block, ``[layers, 2, block_tokens, kv_heads, head_dim]`` in C order::
     mac u8 x16   (``record_mac.RecordMac`` over the record's key, the 48 bytes before it
                   and the payload; all zero when written without a KV secret)
 
-Record version 3 (this one) added the MAC field: checksums catch corruption, only a keyed
-MAC catches a forged record (keys follow from the prompt). Versions 1 (40-byte header,
-CRC32) and 2 (48-byte header, no MAC field) are refused as unsupported, which a reader
+Record version 3 added the MAC field: checksums catch corruption, only a keyed MAC
+catches a forged record (keys follow from the prompt). Version 4 (this one, same layout)
+changed the MAC from HMAC-SHA256 to keyed BLAKE3 (twice as fast; ``record_mac``), so a
+version-3 record is refused rather than failing its MAC. Versions 1 (40-byte header,
+CRC32), 2 (48-byte header, no MAC field) and 3 are refused as unsupported, which a reader
 treats like a corrupt block: deleted, recomputed, never loaded. XXH3-64 (~21 GB/s on
 cached data here) replaced zlib's CRC32 (~4.4 GB/s) in version 2: CRC32 ran slower than the
 copy it protected. The header stays a multiple of 16 bytes so the payload keeps the
@@ -42,7 +44,7 @@ from kv_store.base import KvLayout, KVRecordError
 from kv_store.record_mac import MAC_SIZE, NO_MAC, RecordMac
 
 MAGIC = b"PDKV"
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 # The checksummed fields; the 4 reserved bytes pad them to 40 so that, with the u64
 # checksum and the 16-byte MAC, the header is 64 bytes: a multiple of 16, keeping payload
 # views aligned.

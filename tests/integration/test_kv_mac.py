@@ -139,9 +139,11 @@ def test_records_without_a_mac_are_refused_by_a_reader_with_the_secret(make: Any
     assert not r.ok and r.failure_reason == "mac" and "no MAC" in (r.error or ""), r
 
 
-def test_version_2_record_is_refused_explicitly_and_deleted(make: Any) -> None:
-    """A record the previous layout wrote (48-byte header, no MAC field) is never read as
-    a v3 one: the load stops there with a clear reason and the next save replaces it."""
+@pytest.mark.parametrize("version", [2, 3])
+def test_older_record_versions_are_refused_explicitly_and_deleted(make: Any, version: int) -> None:
+    """A record an earlier version wrote (2: 48-byte header, no MAC field; 3: this layout
+    with an HMAC-SHA256 MAC) is never read as a current one: the load stops there with a
+    clear reason and the next save replaces it."""
     lay = layout()
     src = random_cache(lay, 4, seed=7)
     tokens = prompt(7, 2 * 16)
@@ -150,14 +152,14 @@ def test_version_2_record_is_refused_explicitly_and_deleted(make: Any) -> None:
     assert one(a).ok
     victim = _key(tokens, 2, 1)
     rec = bytes(a.backend.get([victim])[0])
-    v2 = bytearray(rec[:48] + rec[HEADER_SIZE:])
-    v2[4:6] = (2).to_bytes(2, "little")
-    a.backend.put([(victim, bytes(v2))])
+    old = bytearray(rec[:48] + rec[HEADER_SIZE:] if version == 2 else rec)
+    old[4:6] = version.to_bytes(2, "little")
+    a.backend.put([(victim, bytes(old))])
     b = make(torch.zeros_like(src))
     b.start_load(transfer("l", tokens, [2, 3]))
     r = one(b)
     assert not r.ok and r.failure_reason == "corrupt" and r.num_loaded_blocks == 1, r
-    assert "record version 2 is not supported" in (r.error or ""), r.error
+    assert f"record version {version} is not supported" in (r.error or ""), r.error
     assert a.backend.exists([victim]) == [False]
 
 

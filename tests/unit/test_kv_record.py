@@ -65,9 +65,9 @@ def test_partial_block_stores_only_its_tokens() -> None:
 
 
 def test_header_is_64_bytes_so_the_payload_stays_16_byte_aligned() -> None:
-    assert HEADER_SIZE == 64 and RECORD_VERSION == 3
+    assert HEADER_SIZE == 64 and RECORD_VERSION == 4
     rec = encode_block(cache()[:, :, 0], LAYOUT)
-    assert rec[:4] == b"PDKV" and struct.unpack_from("<H", rec, 4) == (3,)
+    assert rec[:4] == b"PDKV" and struct.unpack_from("<H", rec, 4) == (4,)
     assert rec[36:40] == b"\0\0\0\0"  # reserved
     assert rec[48:64] == bytes(16)  # no KV secret: the MAC field is zero
 
@@ -111,7 +111,7 @@ def _v1_record(kv: torch.Tensor, lay: KvLayout) -> bytes:
 
 def test_version_1_record_is_refused_not_misread() -> None:
     rec = _v1_record(cache()[:, :, 0], LAYOUT)
-    with pytest.raises(KVRecordError, match="record version 1 is not supported .expected 3"):
+    with pytest.raises(KVRecordError, match="record version 1 is not supported .expected 4"):
         decode_block(rec, LAYOUT, expected_tokens=16)
 
 
@@ -121,7 +121,7 @@ def test_version_2_record_is_refused_not_misread() -> None:
     rec = encode_block(kv, LAYOUT)
     v2 = bytearray(rec[:48] + rec[HEADER_SIZE:])
     struct.pack_into("<H", v2, 4, 2)
-    with pytest.raises(KVRecordError, match="record version 2 is not supported .expected 3"):
+    with pytest.raises(KVRecordError, match="record version 2 is not supported .expected 4"):
         decode_block(v2, LAYOUT, expected_tokens=16)
 
 

@@ -91,3 +91,16 @@ def test_secret_never_in_repr_and_empty_means_off() -> None:
     assert record_mac("") is None and record_mac(None) is None
     with pytest.raises(ValueError, match="empty"):
         RecordMac(b"")
+
+
+def test_tag_is_keyed_blake3_as_documented() -> None:
+    """The contract in docs/design.md §3, recomputed independently: BLAKE3 keyed with the
+    secret's derived key, over len(key) ‖ key ‖ the 48 header bytes ‖ payload, 16 bytes."""
+    import struct
+
+    from blake3 import blake3
+
+    rec = encode_block(cache()[:, :, 2], LAYOUT, mac=RecordMac("s3cret"), key=KEY)
+    derived = blake3(b"s3cret", derive_key_context="pdserve 2026-12 KV record MAC").digest()
+    message = struct.pack("<I", len(KEY)) + KEY.encode() + rec[:48] + rec[HEADER_SIZE:]
+    assert rec[48:HEADER_SIZE] == blake3(message, key=derived).digest(16)
