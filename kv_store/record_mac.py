@@ -12,8 +12,8 @@ one written without a MAC (its MAC field is zero).
 
 Why BLAKE3 and not HMAC-SHA256 (record version 4; 3 was HMAC-SHA256): the MAC is one
 more pass over every byte saved or loaded, and keyed BLAKE3 runs at about twice
-SHA-256's speed per core here (2.9 vs 1.5 GB/s; benchmarks/kv_transfer.md), which is what
-kept Redis under 1 GB/s with the MAC on. Both are standard MACs (BLAKE3's keyed mode is
+SHA-256's speed per core here (3.3 vs 1.6 GB/s), which cut the MAC's cost on a Redis
+round trip from 29 % to 22 % (benchmarks/kv_transfer.md). Both are standard MACs (BLAKE3's keyed mode is
 a PRF). ``update()`` takes the payload pieces as memoryviews of the cache, so the vectored
 paths stay zero-copy, and releases the GIL on large inputs, so the connector's I/O threads
 MAC in parallel.
