@@ -113,7 +113,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         },
         True,
     ),
-    ("--seed", {"type": int, "default": 0, "help": "engine seed"}, False),
+    ("--seed", {"type": int, "default": 0, "help": "engine seed"}, True),
     ("--speculative", {"default": None, "help": SPECULATIVE_HELP}, False),
     (
         "--tensor-parallel-size",

@@ -56,14 +56,21 @@ def assign_gpus(num_engines: int, ids: list[str] | None, per_engine: int = 1) ->
     return [groups[i % len(groups)] for i in range(num_engines)]
 
 
-def gpu_share_flags(device: str, gpu: str | None, gpus: list[str | None]) -> list[str]:
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engine's own default
+
+
+def gpu_share_flags(
+    device: str, gpu: str | None, gpus: list[str | None], utilization: float | None = None
+) -> list[str]:
     """``--gpu-memory-utilization`` for one engine: each engine sizes its KV cache as a
-    fraction of its whole GPU, so engines sharing one GPU split the usual 0.9 between them
-    (unpinned engines all share the one default GPU)."""
+    fraction of its whole GPU, so engines sharing one GPU split ``utilization`` (the
+    fraction of each GPU for all its engines; default 0.9) between them (unpinned engines
+    all share the one default GPU)."""
     sharing = sum(1 for other in gpus if other == gpu)
-    if device != "cuda" or sharing < 2:
+    if device != "cuda" or (sharing < 2 and utilization is None):
         return []
-    return ["--gpu-memory-utilization", f"{0.9 / sharing:.3f}"]
+    total = DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+    return ["--gpu-memory-utilization", f"{total / max(sharing, 1):.3f}"]
 
 
 def check_tensor_parallel_size(model_dir: str, size: int) -> None:

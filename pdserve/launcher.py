@@ -27,7 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.flags import add_env_argument, fair_thread_share, non_negative_int, positive_int
+from common.flags import (
+    add_env_argument,
+    fair_thread_share,
+    fraction,
+    non_negative_int,
+    positive_int,
+)
 from common.grpc_tls import FLAGS as TLS_FLAGS
 from common.grpc_tls import TlsFiles
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
@@ -151,7 +157,7 @@ def build_plan(
             address = f"127.0.0.1:{port}"
             listen = f"--host 127.0.0.1 --port {port} --metrics-port {metrics_port}".split()
             gpu = gpus[len(services)]
-            share = gpu_share_flags(args.device, gpu, gpus)
+            share = gpu_share_flags(args.device, gpu, gpus, args.gpu_memory_utilization)
             # Speculation speeds up decode steps; a prefill instance samples one token only.
             spec = (
                 ["--speculative", args.speculative] if role == "decode" and args.speculative else []
@@ -167,7 +173,7 @@ def build_plan(
             urls[role].append(address)
     router_argv = launcher.python(
         *["router", "--host", args.host, "--port", str(args.port), "--mode", args.mode],
-        *["--model", model_dir, "--served-model-name", args.model],
+        *["--model", model_dir, "--served-model-name", args.served_model_name or args.model],
         *["--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])],
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
         *tls_flags,
@@ -335,6 +341,10 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--kv-ttl", {"help": "seconds a stored block lives"}),
     ("--host", {"default": "127.0.0.1", "help": "router listen address"}),
     (
+        "--served-model-name",
+        {"default": "", "help": "the model name clients send (default: --model as given)"},
+    ),
+    (
         "--api-key",
         {"default": "", "help": "clients must send 'Authorization: Bearer KEY' (comma: several)"},
     ),
@@ -349,6 +359,14 @@ _UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
     ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),
     ("--gpu-ids", {"help": "spread engines round-robin over these GPUs, e.g. 0,1"}),
+    (
+        "--gpu-memory-utilization",
+        {
+            "type": fraction,
+            "help": "fraction of each GPU for the engines on it together (they split it); "
+            "default 0.9",
+        },
+    ),
     ("--speculative", {"help": SPECULATIVE_HELP + " (decode instances only)"}),
     (
         "--torch-threads",

@@ -127,6 +127,33 @@ def test_unpinned_cuda_engines_share_the_default_gpu(
         assert flag(children[name], "--gpu-memory-utilization") == "0.300"
 
 
+@pytest.mark.parametrize(
+    ("gpu_ids", "want"),
+    [("3,5,7", {"prefill-0": "0.600", "decode-0": "0.600"}), ("3", {"prefill-0": "0.300"})],
+)
+def test_gpu_memory_utilization_is_per_gpu_and_split_by_its_engines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_ids: str, want: dict[str, str]
+) -> None:
+    """vLLM's flag: the fraction of each GPU; engines placed on one GPU share it."""
+    argv = ["--device", "cuda", "--gpu-ids", gpu_ids, "--gpu-memory-utilization", "0.6"]
+    children = plan(tmp_path, argv, monkeypatch)
+    for name, value in want.items():
+        assert flag(children[name], "--gpu-memory-utilization") == value, name
+    assert flag(children["router"], "--gpu-memory-utilization") is None
+
+
+def test_seed_reaches_every_engine_and_served_name_the_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    children = plan(tmp_path, ["--seed", "7", "--served-model-name", "my-model"], monkeypatch)
+    assert flag(children["prefill-0"], "--seed") == flag(children["decode-0"], "--seed") == "7"
+    assert flag(children["router"], "--served-model-name") == "my-model"
+    assert flag(children["router"], "--seed") is None
+    plain = plan(tmp_path / "plain", [], monkeypatch)
+    assert flag(plain["decode-0"], "--seed") is None
+    assert flag(plain["router"], "--served-model-name") == "smollm2"  # --model as given
+
+
 def test_engine_flags_pass_through_to_every_engine_and_max_len_to_the_router(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
