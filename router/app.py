@@ -26,6 +26,7 @@ from router.pool import InstancePool
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rpc import LegContext
 from router.settings import RouterSettings
+from router.tokenize_api import add_tokenize_routes
 from router.tokenizer import PromptProcessor
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ def create_app(
         public_metrics=settings.public_metrics,
     )
     _add_routes(app, deps)
+    add_tokenize_routes(app, processor, deps.settings.served_model_names)
     return app
 
 

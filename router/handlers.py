@@ -42,7 +42,6 @@ _OUTCOME_BY_STATUS = {
     503: "unavailable",
     504: "timeout",
 }
-_LONG_TEXT = 4096  # chars: tokenize longer prompts off the event loop
 
 
 def outcome_of(exc: APIError) -> str:
@@ -64,22 +63,13 @@ class Deps:
         return self.settings.served_model_names[0]
 
 
-async def _encode(processor: PromptProcessor, text: str) -> list[int]:
-    if len(text) > _LONG_TEXT:
-        return await asyncio.to_thread(processor.encode, text)
-    return processor.encode(text)
-
-
 async def _prompts_of(
     deps: Deps, req: CompletionRequest | ChatCompletionRequest
 ) -> list[list[int]]:
     """Token ids of each prompt (chat: exactly one)."""
     proc = deps.processor
     if isinstance(req, ChatCompletionRequest):
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in req.messages
-        ]
+        messages = [m.template_dict() for m in req.messages]
         try:
             text = proc.render_chat(
                 messages,
@@ -88,15 +78,10 @@ async def _prompts_of(
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
-        ids = (
-            await asyncio.to_thread(proc.encode, text, add_special_tokens=False)
-            if len(text) > _LONG_TEXT
-            else proc.encode(text, add_special_tokens=False)
-        )
-        return [ids]
+        return [await proc.encode_async(text, add_special_tokens=False)]
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [await _encode(proc, prompt)]
+        return [await proc.encode_async(prompt)]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     if len(prompt) > deps.settings.max_batch_prompts:
@@ -104,7 +89,7 @@ async def _prompts_of(
             f"at most {deps.settings.max_batch_prompts} prompts per request, got {len(prompt)}",
             "prompt",
         )
-    return [await _encode(proc, p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+    return [await proc.encode_async(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
 
 def _check_prompt(deps: Deps, ids: list[int], max_tokens: int | None) -> int:

@@ -153,6 +153,14 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it."""
+        return {
+            "role": self.role,
+            "content": self.text(),
+            **({"name": self.name} if self.name else {}),
+        }
+
     def text(self) -> str:
         if self.content is None:
             return ""

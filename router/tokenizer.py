@@ -9,6 +9,7 @@ Hugging Face renders chat templates (trim/lstrip blocks, ``raise_exception``, ``
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import json
 import logging
@@ -22,6 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from common.block_hash import compute_block_hashes
+
+LONG_TEXT = 4096  # characters: longer texts are tokenized off the event loop
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +152,13 @@ class PromptProcessor:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` for a handler: a long text is tokenized on a worker thread, so it
+        does not stall every other request on the event loop."""
+        if len(text) > LONG_TEXT:
+            return await asyncio.to_thread(self.encode, text, add_special_tokens=add_special_tokens)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
         self,
