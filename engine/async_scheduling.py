@@ -39,7 +39,11 @@ class DeferredStep:
 def _deferrable(request: Request) -> bool:
     """The next token can be sampled without the host knowing the newest one."""
     return (
-        not request.params.has_penalties and not request.logits_processors and not request.save_kv
+        not request.params.has_penalties
+        and not request.logits_processors
+        and not request.save_kv
+        # the mask depends on how many tokens exist, and one is still in flight
+        and not request.below_min_tokens
     )
 
 

@@ -98,12 +98,13 @@ class IncrementalDetokenizer:
             return ""
         return delta  # ends in an incomplete character: shown to the stop search only
 
-    def add(self, new_ids: list[int], finished: bool) -> str:
-        """Append tokens; return the new text. Sets ``stopped`` when a stop string appears."""
+    def add(self, new_ids: list[int], finished: bool, *, stops: bool = True) -> str:
+        """Append tokens; return the new text. Sets ``stopped`` when a stop string appears;
+        ``stops=False`` (``min_tokens`` not reached): no search, nothing held back."""
         self.token_ids.extend(new_ids)
         if self.tokenizer is None:
             return ""
-        delta = self._add(finished)
+        delta = self._add(finished, stops and bool(self.stop))
         # ``emitted`` may reach into uncommitted text (the part before an incomplete
         # character); only committed text can be dropped.
         cut = min(self.emitted - self.max_stop_len, len(self.text))
@@ -111,10 +112,10 @@ class IncrementalDetokenizer:
             self.text, self.emitted = self.text[cut:], self.emitted - cut
         return delta
 
-    def _add(self, finished: bool) -> str:
+    def _add(self, finished: bool, stops: bool) -> str:
         pending = self._new_text(finished)
         text = self.text + pending if pending else self.text
-        if self.stop:
+        if stops:
             search_from = max(0, self.emitted - self.max_stop_len + 1)
             hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
             if hits:
@@ -126,7 +127,7 @@ class IncrementalDetokenizer:
         if not finished:
             if text.endswith("\ufffd"):
                 end -= 1
-            if self.stop:
+            if stops:
                 end = min(end, len(text) - self.max_stop_len + 1)
         if end <= self.emitted:
             return ""

@@ -52,7 +52,8 @@ class OutputProcessor:
             # detokenizer, which would only keep a second copy of the output ids.
             return "", finished_status
         detok = self._detok[request.request_id]
-        text = detok.add([token], finished_status is not None)
+        stops = len(request.output_token_ids) >= request.params.min_tokens
+        text = detok.add([token], finished_status is not None, stops=stops)
         if finished_status is None and detok.stopped:
             finished_status = RequestStatus.FINISHED_STOPPED
         return text, finished_status
@@ -60,9 +61,12 @@ class OutputProcessor:
     def check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """The status ``token`` (just appended) finishes ``request`` with, or None."""
         p = request.params
-        if not p.ignore_eos and token in request.eos_token_ids:
+        # Before min_tokens only the length ends a request (as in vLLM; sampling masks the
+        # stop tokens meanwhile, so they show up only if a grammar forces one).
+        early = len(request.output_token_ids) < p.min_tokens
+        if not early and not p.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
+        if not early and token in p.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.tokens_left(self.max_model_len) <= 0:

@@ -120,6 +120,11 @@ class Request:
             self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens
         )
 
+    @property
+    def below_min_tokens(self) -> bool:
+        """Fewer tokens than ``min_tokens`` so far: EOS and stop tokens are masked."""
+        return len(self.output_token_ids) < self.params.min_tokens
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 

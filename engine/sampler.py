@@ -57,6 +57,17 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
+def mask_stop_tokens(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """Rule out every token that would end the request (``min_tokens`` not reached yet)."""
+    ends = set(request.params.stop_token_ids)
+    if not request.params.ignore_eos:
+        ends |= request.eos_token_ids
+    ids = [t for t in ends if t < logits.shape[0]]
+    if ids:
+        logits[torch.tensor(ids, dtype=torch.long, device=logits.device)] = float("-inf")
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p."""
     if top_k > 0 and top_k < logits.shape[0]:
@@ -137,7 +148,10 @@ class Sampler:
         seeded draws); by default each request's ``num_tokens``. Under async scheduling a
         request's newest tokens may still be in flight, so the engine passes them."""
         if all(
-            r.params.plain_greedy and r.params.logprobs is None and not r.logits_processors
+            r.params.plain_greedy
+            and r.params.logprobs is None
+            and not r.logits_processors
+            and not r.below_min_tokens
             for r in requests
         ):
             tokens = logits.argmax(-1)
@@ -201,6 +215,8 @@ class Sampler:
             logits = processor(request.output_token_ids, logits)
         if p.logit_bias:
             logits = apply_logit_bias(logits, p.logit_bias)
+        if request.below_min_tokens:
+            logits = mask_stop_tokens(logits, request)
         if p.has_penalties:
             logits = apply_penalties(logits, request)
         if not p.greedy:

@@ -13,6 +13,8 @@ class SamplingParams:
     """How to pick tokens and when to stop. Defaults match the OpenAI API's."""
 
     max_tokens: int = 16
+    # EOS / stop_token_ids are masked and stop strings ignored until this many tokens
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -38,6 +40,11 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         # NaN passes every "< bound" test, and NaN or inf would poison the logits.
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")

@@ -32,8 +32,12 @@ def sampling_params_from_proto(
     from engine.sampling_params import SamplingParams
 
     want_logprobs = msg.return_logprobs or msg.logprobs > 0
+    min_tokens = int(msg.min_tokens)
+    if max_tokens is not None:  # a prefill samples the first token: the rule applies to it
+        min_tokens = min(min_tokens, max_tokens)
     return SamplingParams(
         max_tokens=int(msg.max_tokens) if max_tokens is None else max_tokens,
+        min_tokens=min_tokens,
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p else 1.0,
         top_k=int(msg.top_k) if msg.top_k else -1,

@@ -145,6 +145,11 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
         )
     prompts = await _prompts_of(deps, req)
     limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
+    if params.min_tokens > min(limits):
+        raise bad_request(
+            f"min_tokens={params.min_tokens} is more than max_tokens={min(limits)} allows",
+            "min_tokens",
+        )
     deps.orchestrator.check_available()
     limit = deps.settings.max_concurrent_requests
     if limit and deps.active >= limit:

@@ -69,6 +69,7 @@ class _CommonRequest(BaseModel):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
@@ -203,6 +204,7 @@ class GenParams:
 
     seed: int
     max_tokens: int | None = None
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -243,6 +245,7 @@ def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | N
     return GenParams(
         seed=seed,
         max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,

@@ -80,6 +80,7 @@ def sampling_proto(job: Job, index: int) -> pdserve_pb2.SamplingParams:
     p = job.params
     return pdserve_pb2.SamplingParams(
         max_tokens=job.max_tokens,
+        min_tokens=p.min_tokens,
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,

@@ -82,7 +82,7 @@ def verify(
     point-mass drafts."""
     p = request.params
     k = p.logprobs
-    fast = p.plain_greedy and not request.logits_processors
+    fast = p.plain_greedy and not request.logits_processors and not request.below_min_tokens
     argmax = rows.argmax(-1).tolist() if fast else []
     accepted = 0
     for j in range(len(drafts) + 1):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\xf1\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x0e \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\x13\n\x0bguided_kind\x18\x10 \x01(\t\x12\x14\n\x0cguided_value\x18\x11 \x01(\t\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xc8\x01\n\x08KvHandle\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x16\n\x0elayout_version\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nblock_keys\x18\x05 \x03(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x11\n\tconnector\x18\x07 \x01(\t\x12\x16\n\x0esource_address\x18\x08 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x9f\x01\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12,\n\x0ckv_committed\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimingsB\x07\n\x05\x65vent\"\x9b\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"\xc1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xe4\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12)\n\x07timings\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\"\x90\x01\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x11\n\tkv_save_s\x18\x03 \x01(\x01\x12\x11\n\tkv_load_s\x18\x04 \x01(\x01\x12\x18\n\x10kv_blocks_loaded\x18\x05 \x01(\r\x12\x1c\n\x14kv_blocks_recomputed\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb7\x01\n\x08LoadInfo\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x32\xce\x01\n\x0ePrefillService\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.LoadInfo2\xca\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.LoadInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x85\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x0e \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\x13\n\x0bguided_kind\x18\x10 \x01(\t\x12\x14\n\x0cguided_value\x18\x11 \x01(\t\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xc8\x01\n\x08KvHandle\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x16\n\x0elayout_version\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nblock_keys\x18\x05 \x03(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x11\n\tconnector\x18\x07 \x01(\t\x12\x16\n\x0esource_address\x18\x08 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\x9f\x01\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12,\n\x0ckv_committed\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimingsB\x07\n\x05\x65vent\"\x9b\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"\xc1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xe4\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12)\n\x07timings\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\"\x90\x01\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x11\n\tkv_save_s\x18\x03 \x01(\x01\x12\x11\n\tkv_load_s\x18\x04 \x01(\x01\x12\x18\n\x10kv_blocks_loaded\x18\x05 \x01(\r\x12\x1c\n\x14kv_blocks_recomputed\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb7\x01\n\x08LoadInfo\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x32\xce\x01\n\x0ePrefillService\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.LoadInfo2\xca\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.LoadInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=538
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=481
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=529
-  _globals['_KVHANDLE']._serialized_start=541
-  _globals['_KVHANDLE']._serialized_end=741
-  _globals['_TOKENLOGPROB']._serialized_start=743
-  _globals['_TOKENLOGPROB']._serialized_end=837
-  _globals['_PREFILLREQUEST']._serialized_start=839
-  _globals['_PREFILLREQUEST']._serialized_end=963
-  _globals['_PREFILLEVENT']._serialized_start=966
-  _globals['_PREFILLEVENT']._serialized_end=1125
-  _globals['_FIRSTTOKEN']._serialized_start=1128
-  _globals['_FIRSTTOKEN']._serialized_end=1283
-  _globals['_DECODEREQUEST']._serialized_start=1286
-  _globals['_DECODEREQUEST']._serialized_end=1479
-  _globals['_DECODECHUNK']._serialized_start=1482
-  _globals['_DECODECHUNK']._serialized_end=1710
-  _globals['_PHASETIMINGS']._serialized_start=1713
-  _globals['_PHASETIMINGS']._serialized_end=1857
-  _globals['_ABORTREQUEST']._serialized_start=1859
-  _globals['_ABORTREQUEST']._serialized_end=1893
-  _globals['_ABORTRESPONSE']._serialized_start=1895
-  _globals['_ABORTRESPONSE']._serialized_end=1925
-  _globals['_GETLOADREQUEST']._serialized_start=1927
-  _globals['_GETLOADREQUEST']._serialized_end=1943
-  _globals['_LOADINFO']._serialized_start=1946
-  _globals['_LOADINFO']._serialized_end=2129
-  _globals['_PREFILLSERVICE']._serialized_start=2132
-  _globals['_PREFILLSERVICE']._serialized_end=2338
-  _globals['_DECODESERVICE']._serialized_start=2341
-  _globals['_DECODESERVICE']._serialized_end=2543
+  _globals['_SAMPLINGPARAMS']._serialized_end=558
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=501
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=549
+  _globals['_KVHANDLE']._serialized_start=561
+  _globals['_KVHANDLE']._serialized_end=761
+  _globals['_TOKENLOGPROB']._serialized_start=763
+  _globals['_TOKENLOGPROB']._serialized_end=857
+  _globals['_PREFILLREQUEST']._serialized_start=859
+  _globals['_PREFILLREQUEST']._serialized_end=983
+  _globals['_PREFILLEVENT']._serialized_start=986
+  _globals['_PREFILLEVENT']._serialized_end=1145
+  _globals['_FIRSTTOKEN']._serialized_start=1148
+  _globals['_FIRSTTOKEN']._serialized_end=1303
+  _globals['_DECODEREQUEST']._serialized_start=1306
+  _globals['_DECODEREQUEST']._serialized_end=1499
+  _globals['_DECODECHUNK']._serialized_start=1502
+  _globals['_DECODECHUNK']._serialized_end=1730
+  _globals['_PHASETIMINGS']._serialized_start=1733
+  _globals['_PHASETIMINGS']._serialized_end=1877
+  _globals['_ABORTREQUEST']._serialized_start=1879
+  _globals['_ABORTREQUEST']._serialized_end=1913
+  _globals['_ABORTRESPONSE']._serialized_start=1915
+  _globals['_ABORTRESPONSE']._serialized_end=1945
+  _globals['_GETLOADREQUEST']._serialized_start=1947
+  _globals['_GETLOADREQUEST']._serialized_end=1963
+  _globals['_LOADINFO']._serialized_start=1966
+  _globals['_LOADINFO']._serialized_end=2149
+  _globals['_PREFILLSERVICE']._serialized_start=2152
+  _globals['_PREFILLSERVICE']._serialized_end=2358
+  _globals['_DECODESERVICE']._serialized_start=2361
+  _globals['_DECODESERVICE']._serialized_end=2563
 # @@protoc_insertion_point(module_scope)

@@ -331,3 +331,25 @@ def test_unseeded_batch_prompts_sample_independently(stack: Stack) -> None:
     assert unseeded[0] != unseeded[1], unseeded
     seeded = [c.text for c in complete(stack.client(), seed=7, **kwargs).choices]
     assert seeded[0] == seeded[1], seeded
+
+
+def test_min_tokens_holds_stop_tokens_back(stack: Stack) -> None:
+    """``min_tokens`` reaches the prefill (its first token) and the decode: a stop id that
+    greedy emits first is masked until the 4th token, as in the offline engine."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4)
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    want = llm.generate(
+        [PROMPT],
+        SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[first], min_tokens=4
+        ),
+    )[0]
+    assert len(want.token_ids) >= 4 and first not in want.token_ids[:4]
+    extra = {"ignore_eos": True, "stop_token_ids": [first], "min_tokens": 4}
+    for router in (stack.disagg, stack.colocated):
+        out = complete(stack.client(router), max_tokens=8, extra_body=extra)
+        assert out.choices[0].text == want.text, router.name
+        assert out.usage is not None and out.usage.completion_tokens == len(want.token_ids)

@@ -198,6 +198,7 @@ def test_text_and_logprobs_are_streamed(stubs) -> None:
                 (pb.SamplingParams(max_tokens=3, logit_bias={999_999: 1.0}), "logit_bias"),
                 (pb.SamplingParams(max_tokens=3, logit_bias={5: float("nan")}), "logit_bias"),
                 (pb.SamplingParams(max_tokens=3, logit_bias={5: 1e9}), "logit_bias"),
+                (pb.SamplingParams(max_tokens=3, min_tokens=4), "min_tokens"),
             ]
         ),
     ],

@@ -112,6 +112,8 @@ def test_valid_request_with_empty_pools_is_503(
         (COMP, {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, None),
         (COMP, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"one": 5}}, None),
+        (COMP, {"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"-1": 5}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": "up"}}, "logit_bias.1"),
