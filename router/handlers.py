@@ -22,6 +22,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, merge_streams
 from router.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     chat_params,
     completion_params,
@@ -63,21 +64,30 @@ class Deps:
         return self.settings.served_model_names[0]
 
 
+def chat_text(
+    processor: PromptProcessor,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> str:
+    """The conversation through the model's chat template; 400 when the template fails."""
+    try:
+        return processor.render_chat(
+            [m.template_dict() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
+
+
 async def _prompts_of(
     deps: Deps, req: CompletionRequest | ChatCompletionRequest
 ) -> list[list[int]]:
     """Token ids of each prompt (chat: exactly one)."""
     proc = deps.processor
     if isinstance(req, ChatCompletionRequest):
-        messages = [m.template_dict() for m in req.messages]
-        try:
-            text = proc.render_chat(
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-            )
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
+        text = chat_text(proc, req.messages, req.add_generation_prompt, req.continue_final_message)
         return [await proc.encode_async(text, add_special_tokens=False)]
     prompt = req.prompt
     if isinstance(prompt, str):

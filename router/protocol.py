@@ -62,10 +62,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _CommonRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+class TextCheckedRequest(BaseModel):
+    """A request body whose every string is valid Unicode (no lone surrogate), strict types."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        reject_surrogates(data)
+        return data
+
+
+class _CommonRequest(TextCheckedRequest):
+    """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -94,12 +104,6 @@ class _CommonRequest(BaseModel):
     guided_grammar: str | None = None
     guided_json: dict[str, Any] | str | None = None
     response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_text(cls, data: Any) -> Any:
-        reject_surrogates(data)
-        return data
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:

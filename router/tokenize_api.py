@@ -10,14 +10,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.errors import APIError, bad_request
-from router.protocol import UINT32_MAX, ChatMessage, reject_surrogates
-from router.tokenizer import ChatTemplateError, PromptProcessor
+from router.handlers import chat_text
+from router.protocol import UINT32_MAX, ChatMessage, TextCheckedRequest
+from router.tokenizer import PromptProcessor
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TextCheckedRequest):
     """Either ``prompt`` (text) or ``messages`` (through the chat template), not both."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -25,12 +25,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_text(cls, data: Any) -> Any:
-        reject_surrogates(data)
-        return data
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -61,15 +55,9 @@ def add_tokenize_routes(app: FastAPI, processor: PromptProcessor, served: list[s
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         if body.messages is not None:
-            messages = [m.template_dict() for m in body.messages]
-            try:
-                text = processor.render_chat(
-                    messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            except ChatTemplateError as exc:
-                raise bad_request(str(exc), "messages") from exc
+            text = chat_text(
+                processor, body.messages, body.add_generation_prompt, body.continue_final_message
+            )
             special = False  # the template already wrote any BOS it wants
         else:
             text, special = body.prompt or "", body.add_special_tokens
