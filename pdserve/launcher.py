@@ -9,7 +9,8 @@ threads; with ``--gpus N`` / ``--gpu-ids`` each engine is pinned to one GPU
 prints a line containing ``pdserve is ready``, then supervises: Ctrl-C or SIGTERM stops
 everything, and a child that dies is restarted with backoff up to a crash-loop limit
 (``pdserve/supervise.py``). How children are started, probed and stopped:
-``pdserve/procs.py``; the run's temporary directory: ``pdserve/workdir.py``.
+``pdserve/procs.py``; the run's temporary directory: ``pdserve/workdir.py``; the KV store
+child and the connector flags: ``pdserve/up_store.py``.
 
 Torch-free: only the children load engines.
 """
@@ -53,77 +54,12 @@ from pdserve.procs import (
     free_ports,
     grpc_probe,
     http_probe,
-    tcp_probe,
 )
 from pdserve.supervise import RestartPolicy, Supervisor
+from pdserve.up_store import LMCACHE_DEFAULT_CAPACITY, store_flags
 from pdserve.workdir import make_workdir, remove_stale_workdirs
 
 logger = logging.getLogger(__name__)
-
-
-def _store_child(
-    launcher: Launcher, args: argparse.Namespace, kind: str | None = None
-) -> tuple[list[str], Child | None]:
-    """The connector flags for the services, and the store process to start (if any)."""
-    kind = kind or args.connector
-    if kind == "p2p":  # peer to peer; with --kv-store, a store beside it (started as usual)
-        p2p = ["--connector", "p2p"]
-        p2p += ["--p2p-lease-seconds", args.p2p_lease_seconds] if args.p2p_lease_seconds else []
-        p2p += ["--p2p-timeout", args.p2p_timeout] if args.p2p_timeout else []
-        if args.kv_store in (None, "", "none"):
-            return p2p, None
-        flags, child = _store_child(launcher, args, args.kv_store)
-        return [*p2p, "--kv-store", args.kv_store, *flags[2:]], child
-    if kind == "fs":
-        path = args.kv_path or str(launcher.workdir / "kv")
-        return ["--connector", "fs", "--kv-path", path], None
-    if kind == "redis":
-        if args.redis_url:
-            return ["--connector", "redis", "--redis-url", args.redis_url], None
-        binary = _require_tool(
-            "redis-server", "install it (apt-get install redis-server) or pass --redis-url"
-        )
-        (port,) = free_ports(1)
-        options = f"--port {port} --bind 127.0.0.1 --appendonly no".split()
-        # No snapshots: the store is a cache, not a database.
-        argv = [binary, *options, "--save", "", "--dir", str(launcher.workdir)]
-        child = launcher.add("redis", argv, tcp_probe(port, b"PING\r\n", b"+PONG"))
-        return ["--connector", "redis", "--redis-url", f"redis://127.0.0.1:{port}/0"], child
-    if args.lmcache_url:
-        return ["--connector", "lmcache", "--lmcache-url", args.lmcache_url], None
-    binary = _require_tool(
-        "lmcache_server",
-        "install the lmcache extra (pip install 'pdserve[lmcache]') or pass --lmcache-url",
-    )
-    (port,) = free_ports(1)
-    child = launcher.add("lmcache", [binary, "127.0.0.1", str(port)], tcp_probe(port))
-    return ["--connector", "lmcache", "--lmcache-url", f"lm://127.0.0.1:{port}"], child
-
-
-# LMCache allocates (and touches) its whole local CPU buffer at start; the store's 10 GiB
-# default would exhaust a small machine with two engines, so `up` asks for less.
-LMCACHE_DEFAULT_CAPACITY = "1GiB"
-
-
-def _connector_flags(
-    launcher: Launcher, args: argparse.Namespace
-) -> tuple[list[str], Child | None]:
-    """``_store_child`` plus the store bounds (``--kv-ttl``, ``--kv-capacity``) to pass on."""
-    flags, child = _store_child(launcher, args)
-    store = args.kv_store if args.connector == "p2p" else args.connector
-    capacity = args.kv_capacity or (LMCACHE_DEFAULT_CAPACITY if store == "lmcache" else None)
-    if capacity:
-        flags += ["--kv-capacity", capacity]
-    if args.kv_ttl:
-        flags += ["--kv-ttl", args.kv_ttl]
-    return flags, child
-
-
-def _require_tool(name: str, hint: str) -> str:
-    found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
-    if not found:
-        raise LaunchError(f"{name} not found on PATH: {hint}")
-    return found
 
 
 def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
@@ -139,9 +75,7 @@ def build_plan(
     args = launcher.args
     num_engines = args.prefill + args.decode
     threads = args.torch_threads or fair_thread_share(num_engines)
-    connector_flags, store = (
-        ([], None) if args.mode == "colocated" else _connector_flags(launcher, args)
-    )
+    connector_flags, store = ([], None) if args.mode == "colocated" else store_flags(launcher, args)
     engine_flags = _engine_flags(args, model_dir, threads)
     gpus = assign_gpus(num_engines, gpu_ids(args), args.tensor_parallel_size or 1)
     ports = free_ports(2 * num_engines)
