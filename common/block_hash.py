@@ -1,7 +1,10 @@
 """Deterministic, chained block hashes (docs/design.md §3) — torch-free, shared with the router.
 
 hash(block i) = sha256(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra keys),
-with 32 zero bytes as the parent of block 0. Pods on different machines must agree, so this
+with 32 zero bytes as the parent of block 0 — or, for a request served with a LoRA
+adapter, ``adapter_root(identity)``: the same tokens under another adapter have other KV,
+so every hash of the chain (and every store key, handle and cache entry built on it)
+differs (docs/design.md §3 "KV records and keys"). Pods on different machines must agree, so this
 never uses Python's ``hash()`` or any random seed.
 """
 
@@ -13,6 +16,12 @@ from collections.abc import Sequence
 
 ROOT_PARENT = b"\x00" * 32
 HASH_BYTES = 32
+
+
+def adapter_root(identity: str) -> bytes:
+    """The parent of block 0 for requests served with the LoRA adapter ``identity``
+    (name:content hash); the base model keeps ``ROOT_PARENT``."""
+    return hashlib.sha256(b"pdserve-lora\x00" + identity.encode()).digest()
 
 
 def hash_block_tokens(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
@@ -30,6 +39,7 @@ def compute_block_hashes(
     *,
     extra_keys: bytes = b"",
     include_partial: bool = False,
+    root: bytes = ROOT_PARENT,
 ) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (and of the tail if asked).
 
@@ -38,7 +48,7 @@ def compute_block_hashes(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes: list[bytes] = []
-    parent = ROOT_PARENT
+    parent = root
     n_full = len(token_ids) // block_size
     for i in range(n_full):
         parent = hash_block_tokens(

@@ -48,8 +48,11 @@ def add_env_argument(
     help: str = "",  # noqa: A002 - mirrors argparse
     choices: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    unit: str = "",
+    aliases: tuple[str, ...] = (),
 ) -> None:
-    """Add a valued flag whose default comes from its ``PDSERVE_*`` twin when set.
+    """Add a valued flag whose default comes from its ``PDSERVE_*`` twin when set
+    (``aliases``: other spellings of the flag, e.g. vLLM's ``-pp``).
 
     argparse converts a string default with ``type`` when the (sub)command is parsed, so a
     bad environment value fails then, with the flag's name, like a bad flag would; it does
@@ -59,8 +62,11 @@ def add_env_argument(
     name = env_name(flag)
     value: Any = env.get(name, default)
     convert = type if choices is None else _checked_choice(type, choices, name)
-    suffix = f" (env {name}; default {default})"
-    parser.add_argument(flag, type=convert, default=value, choices=choices, help=help + suffix)
+    shown = f"{default} {unit}" if unit and default is not None else f"{default}"
+    suffix = f" (env {name}; default {shown})"
+    parser.add_argument(
+        flag, *aliases, type=convert, default=value, choices=choices, help=help + suffix
+    )
 
 
 def _checked_choice(

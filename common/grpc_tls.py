@@ -29,8 +29,6 @@ from typing import Any
 
 import grpc
 
-from common.flags import add_env_argument
-
 FLAGS = ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-tls-ca")
 
 
@@ -75,24 +73,6 @@ class TlsFiles:
         """Credentials of a caller: trust only the CA, present our own chain."""
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
-        )
-
-
-def add_tls_arguments(parser: Any, *, server: bool) -> None:
-    """The mTLS flags (each with its ``PDSERVE_*`` twin); a caller (``server=False``, the
-    router) also gets ``--grpc-tls-server-name``."""
-    own = "this service's" if server else "the router's client"
-    add_env_argument(parser, "--grpc-tls-cert", default="", help=f"PEM: {own} certificate (chain)")
-    add_env_argument(parser, "--grpc-tls-key", default="", help=f"PEM: {own} private key")
-    check = "callers' certificates" if server else "the services' certificates"
-    add_env_argument(parser, "--grpc-tls-ca", default="", help=f"PEM: the CA that signs {check}")
-    if not server:
-        add_env_argument(
-            parser,
-            "--grpc-tls-server-name",
-            default="",
-            help="name to verify in every service's certificate instead of the dialed "
-            "address (for pod IPs from k8s discovery)",
         )
 
 

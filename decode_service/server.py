@@ -13,11 +13,11 @@ from typing import Any
 
 import grpc.aio
 
-from decode_service.servicer import DecodeServicer
 from engine_service.core import EngineServiceCore
+from engine_service.decode_servicer import DecodeServicer
 from engine_service.runtime import run_service
 from engine_service.settings import add_service_arguments
-from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

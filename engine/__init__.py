@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:

@@ -1,8 +1,11 @@
 """The asynchronous engine that services drive.
 
 The synchronous ``LLMEngine`` runs on one background thread (torch releases the GIL in its
-kernels, so the asyncio loop stays responsive). Requests and aborts reach it through a
-command queue; outputs come back to each request's asyncio queue.
+kernels, so the asyncio loop stays responsive). Requests and aborts reach it through one
+command queue, in order (an abort never overtakes its own request's add, nor a later
+request that reuses the id), and the engine thread drains every pending command in one pass
+at each step boundary: a storm of cancelled streams costs the engine one pass per step, no
+lock or step per abort. Outputs come back to each request's asyncio queue.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from typing import Any
 
 from engine.client import GenerateRequest
 from engine.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.request import RemoteKV
+from engine.core.sampling_params import SamplingParams
 from engine.executor import ExecutorFailure
+from engine.kv.events import Held, KvEventPublisher, snapshot_held
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineStats, LoadStats, RequestOutput
-from engine.request import RemoteKV
-from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, LoadStats
 from kv_store.base import KVConnector, KvLayout
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,20 @@ class AsyncLLMEngine:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._load = self.engine.get_load()
         self.fatal_error: BaseException | None = None  # set when the engine died for good
+        self.kv_events = self._publisher()  # None when KV events are off
+
+    def _publisher(self) -> KvEventPublisher | None:
+        engine = self.engine
+        if engine.kv_events is None:
+            return None
+        host = engine.host_tier
+
+        def snapshot() -> Held:
+            return snapshot_held(engine.kv, host.parents() if host is not None else None)
+
+        return KvEventPublisher(
+            engine.kv_events, snapshot, engine.config.kv_events_max_queue, self._wake.set
+        )
 
     @property
     def config(self) -> EngineConfig:
@@ -83,12 +102,13 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
-        if self.engine.connector is not None:
-            self.engine.connector.close()
+        self.engine.close_kv()
         self.engine.shutdown()
 
     def generate(
@@ -141,13 +161,32 @@ class AsyncLLMEngine:
         self._send(_Abort(request_id))
         return found
 
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Register a LoRA adapter at runtime (read and checked off the event loop);
+        ``ValueError`` with the reason for a bad one. Returns the adapters served now."""
+        lora = self.engine.lora
+        if lora is None:
+            raise ValueError("LoRA is not enabled on this instance (start it with --enable-lora)")
+        await asyncio.to_thread(lora.add_adapter, name, path)
+        return sorted(lora.manager.registry)
+
+    def unload_lora_adapter(self, name: str) -> list[str]:
+        """Forget a LoRA adapter (running requests finish with it)."""
+        lora = self.engine.lora
+        if lora is None:
+            raise ValueError("LoRA is not enabled on this instance (start it with --enable-lora)")
+        lora.remove_adapter(name)
+        return sorted(lora.manager.registry)
+
     def get_load(self) -> LoadStats:
         """Load as of the last engine step (safe to call from any thread)."""
         return self._load
 
     def stats(self) -> EngineStats:
         """Load as of the last engine step, with the counters read now (any thread)."""
-        return self.engine.stats(self._load)
+        stats = self.engine.stats(self._load)
+        stats.kv_events = self.kv_events.stats if self.kv_events is not None else None
+        return stats
 
     def _send(self, command: GenerateRequest | _Abort) -> None:
         self._commands.put(command)
@@ -158,6 +197,7 @@ class AsyncLLMEngine:
         engine = self.engine
         while not self._stop.is_set():
             self._drain_commands()
+            self._publish_kv_events()  # the last step's, and snapshots for new subscribers
             if not engine.has_unfinished():
                 self._load = engine.get_load()
                 self._wake.wait(_IDLE_WAIT_S)
@@ -182,6 +222,17 @@ class AsyncLLMEngine:
                 self._wake.wait(_TRANSFER_POLL_S)  # only transfers in flight: poll gently
                 self._wake.clear()
         self._fail_all(EngineDeadError("the engine is shutting down"))
+        if self.kv_events is not None:
+            self.kv_events.close()  # subscribers learn at once that no more batches come
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is None:
+            return
+        try:
+            self.kv_events.pump()
+        except Exception:  # a bug here must not stop serving: end the streams instead
+            logger.exception("publishing KV events failed; no more KV event streams here")
+            self.kv_events.close("KV events failed on this instance (see its log)")
 
     def _drain_commands(self) -> None:
         while True:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import ScheduledRequest, Scheduler
 from engine.executor import Executor
-from engine.request import Request, RequestStatus
-from engine.sampler import PendingTokens, Sampler
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.sampling.sampler import PendingTokens, Sampler
 
 
 @dataclass(slots=True)

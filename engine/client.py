@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.outputs import EngineStats, LoadStats, RequestOutput
-    from engine.request import RemoteKV
-    from engine.sampling_params import SamplingParams
+    from engine.core.outputs import RequestOutput
+    from engine.core.request import RemoteKV
+    from engine.core.sampling_params import SamplingParams
+    from engine.stats import EngineStats, LoadStats
     from kv_store.base import KvLayout
 
 
@@ -27,6 +28,7 @@ class GenerateRequest:
     prefill, or a resumed stream's tokens); they count toward ``params.max_tokens`` and are
     never emitted again. ``remote_kv`` says where the prompt's KV waits (decode side);
     ``save_kv`` asks the engine to hand the prompt's KV to the connector (prefill side).
+    ``lora_name`` names the LoRA adapter to run with (None: the base model; docs/lora.md).
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class GenerateRequest:
     remote_kv: RemoteKV | None = None
     save_kv: bool = False
     priority: int = 0
+    lora_name: str | None = None
 
 
 class EngineClient(Protocol):

@@ -6,26 +6,30 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.core.outputs import CompletionOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.llm_warmup import warm_up
-from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
+from engine.lora.request import LoRARequest
+from engine.lora_serving import lora_names
 
 # What one prompt may be (vLLM's forms): text, token ids, or a TextPrompt/TokensPrompt dict.
 PromptInput = str | list[int] | dict[str, Any]
 
 # Step token budget of the offline path on CUDA when the caller sets none: the value
-# benchmarks/gpu_bench.py runs with. The engine's 2048 suits a server's latency; an offline
+# benchmarks/gpu/gpu_bench.py runs with. The engine's 2048 suits a server's latency; an offline
 # batch spends 4x as many steps prefilling with it, each one a mixed (eager) step next to
 # the running decodes (docs/design.md §3 "Offline LLM").
 CUDA_OFFLINE_MAX_BATCHED_TOKENS = 8192
+OFFLINE_LORA_WAIT_S = 365 * 86400.0  # no deadline for a LoRA slot in offline generation
 
 
 class LLM:
     """Runs the engine in-process until every prompt finishes.
 
     ``model`` is a local Hugging Face directory or "smollm2"; other keyword arguments are
-    ``EngineConfig`` fields (``tensor_parallel_size=2`` shards the model over two processes).
+    ``EngineConfig`` fields (``tensor_parallel_size=2`` shards the model over two processes,
+    ``pipeline_parallel_size=2`` splits its layers into two stages).
     On CUDA, ``max_num_batched_tokens`` defaults to ``CUDA_OFFLINE_MAX_BATCHED_TOKENS``
     and ``warmup`` (None: on for CUDA) runs one throwaway batch at construction so the
     first ``generate`` does not pay for kernel compilation (engine/llm_warmup.py).
@@ -34,6 +38,9 @@ class LLM:
     def __init__(self, model: str, *, warmup: bool | None = None, **engine_kwargs: Any) -> None:
         from common.models import resolve_model
 
+        # Offline there is nobody to answer "retry later": a request waits for a LoRA
+        # slot until running ones free one (docs/lora.md).
+        engine_kwargs.setdefault("lora_wait_timeout", OFFLINE_LORA_WAIT_S)
         if str(engine_kwargs.get("device", "cpu")).startswith("cuda"):
             engine_kwargs.setdefault("max_num_batched_tokens", CUDA_OFFLINE_MAX_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=resolve_model(model), **engine_kwargs))
@@ -61,8 +68,13 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
         """Generate for every prompt; results in prompt order.
+
+        ``lora_request`` (vLLM's): the LoRA adapter for every prompt, or one per prompt
+        (None: the base model); the engine needs ``enable_lora=True`` and registers an
+        adapter the first time its name comes (docs/lora.md).
 
         A prompt is text, a list of token ids, or one of vLLM's prompt dicts
         (``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``). One prompt may be passed
@@ -84,13 +96,14 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        loras = lora_names(self.engine.lora, lora_request, len(prompts))
         ids = [self._next_request_id() for _ in prompts]
         results: dict[str, CompletionOutput] = {}
         # Text deltas per request, joined once at the end: ``res.text += delta`` on an
         # attribute copies the whole text every token (quadratic in the output length).
         texts: dict[str, list[str]] = {}
-        for rid, token_ids, p in zip(ids, token_lists, params_list):
-            self.engine.add_request(rid, token_ids, p)
+        for rid, token_ids, p, lora in zip(ids, token_lists, params_list, loras):
+            self.engine.add_request(rid, token_ids, p, lora_name=lora)
             results[rid] = CompletionOutput(
                 token_ids, [], "", None, [] if p.logprobs is not None else None
             )
@@ -104,6 +117,8 @@ class LLM:
                     texts[out.request_id].append(out.new_text)
                 if out.logprobs and res.logprobs is not None:
                     res.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     res.finish_reason = out.finish_reason
         for rid, res in results.items():

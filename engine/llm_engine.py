@@ -14,54 +14,58 @@ import torch
 
 from engine.async_scheduling import StepPipeline, can_defer
 from engine.client import GenerateRequest
-from engine.config import KV_LAYOUT_VERSION, EngineConfig
-from engine.detokenizer import load_tokenizer
+from engine.config import EngineConfig
+from engine.core.detokenizer import load_tokenizer
+from engine.core.outputs import RequestOutput, TokenLogprob
+from engine.core.request import RemoteKV, Request, RequestStatus
+from engine.core.request_limits import RequestLimits
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledRequest, Scheduler
+from engine.engine_reports import EngineReports
 from engine.executor import make_executor
-from engine.fingerprint import model_fingerprint
-from engine.guided.manager import GuidedDecoding
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_transfers import KVTransferCoordinator, LoadOutcome
+from engine.kv.fingerprint import kv_layout, model_fingerprint
+from engine.kv.host_tier import build_kv_cache
+from engine.kv.transfers import KVTransferCoordinator, kv_worker
+from engine.kv_serving import KVServing
+from engine.lora.manager import SLOT_TIMEOUT_ERROR
+from engine.lora_serving import LoRAServing, bind_lora
 from engine.models import ModelArgs
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, KvSaveResult, LoadStats, RequestOutput, TokenLogprob
-from engine.request import RemoteKV, Request, RequestStatus
-from engine.request_limits import RequestLimits
-from engine.sampler import SampledToken, Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.pp_batches import InflightBatches
+from engine.sampling import prompt_logprobs
+from engine.sampling.guided import GuidedDecoding
+from engine.sampling.prompt_logprobs import wants_prompt_rows
+from engine.sampling.sampler import SampledToken, Sampler
 from engine.spec_decode.decoder import SpecDecoder
-from kv_store.base import KVConnector, KvLayout
+from kv_store.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineReports, KVServing):
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         self.args = ModelArgs.from_hf(config.hf_config())
         self.max_model_len = self.args.max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.args.eos_token_ids)
-        tp_connector = connector if config.tensor_parallel_size > 1 else None
-        if tp_connector is not None and tp_connector.worker_recipe is None:  # no worker yet
-            from engine.tp_kv import tp_refusal
-
-            raise ValueError(tp_refusal(tp_connector))
+        if connector is not None:  # refused before any rank starts
+            # Every process of the P x N grid moves its own KV (docs/design.md §3).
+            connector.check_ranks(config.tensor_parallel_size * config.pipeline_parallel_size)
         # Runs the model: here, or sharded over worker processes (tensor parallelism).
         self.executor = make_executor(config, self.args, self.max_model_len)
         self.runner = self.executor.runner  # this process's runner (rank 0's shard)
-        if tp_connector is not None:
-            # Every rank moves its own KV shard (docs/design.md §3, KV with tensor parallelism).
-            from engine.tp_kv import attach_tp_connector
-
-            connector = attach_tp_connector(tp_connector, self.executor)
-        self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.kv)
+        # Blocks outside every layer's window are released as requests advance; not when
+        # a connector may still save or hold a request's prompt blocks (kept whole there).
+        window = self.args.max_window if connector is None else 0
+        # The block tables and prefix cache, its event log and host tier (when on).
+        self.kv, self.kv_events, self.host_tier = build_kv_cache(config, self.runner, window)
+        # Multi-LoRA (engine/lora/): the adapters' slots and registry, when enabled.
+        self.lora = LoRAServing(config, self.args, self.runner) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.kv, self.lora.manager if self.lora else None)
         self.sampler = Sampler()
-        self.guided = GuidedDecoding(
-            self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids)
+        self.guided = GuidedDecoding.for_engine(
+            self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids), config
         )
         spec = config.speculative_config()
         self.spec = (
@@ -72,25 +76,18 @@ class LLMEngine:
             )
         )
         self.model_fingerprint = model_fingerprint(config)
-        self.kv_layout = KvLayout(
-            KV_LAYOUT_VERSION,
-            config.kv_cache_dtype_name,  # records and handles carry the KV storage dtype
-            config.block_size,
-            self.args.num_layers,
-            self.runner.num_kv_heads,  # this rank's KV heads (all of them when N = 1)
-            self.args.head_dim,
-        )
+        self.kv_layout = kv_layout(config, self.args, self.runner.num_kv_heads)
+        # The connector is the scheduler side; bytes move via its worker side (docs/design.md §3).
         self.connector = connector
         self.transfers: KVTransferCoordinator | None = None
         if connector is not None:
             try:
-                connector.bind_kv_cache(
-                    self.runner.kv_cache, self.kv_layout, self.model_fingerprint
-                )
+                worker = kv_worker(connector, config, self.executor)
+                worker.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
+                self.transfers = KVTransferCoordinator(worker, self.kv, config.kv_load_failure)
             except Exception:
                 self.executor.shutdown()  # no worker outlives a failed start
                 raise
-            self.transfers = KVTransferCoordinator(connector, self.kv, config.kv_load_failure)
         self.limits = RequestLimits(
             self.max_model_len,
             self.args.vocab_size,
@@ -106,6 +103,9 @@ class LLMEngine:
             if config.async_scheduling_on
             else None
         )
+        # Pipeline stages: up to P batches in flight (engine/pp_batches.py).
+        depth = config.inflight_batches
+        self.batches = InflightBatches(self.scheduler, self.executor, depth) if depth > 1 else None  # type: ignore[arg-type]
         self.num_steps = 0
         # Move everything built so far (weights' wrappers, ~num_blocks block objects) out of
         # the GC's generations, so collections in the step loop stay short.
@@ -123,13 +123,11 @@ class LLMEngine:
         remote_kv: RemoteKV | None = None,
         save_kv: bool = False,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """``add`` with the request's fields spelled out."""
-        self.add(
-            GenerateRequest(
-                request_id, prompt_token_ids, params, output_token_ids, remote_kv, save_kv, priority
-            )
-        )
+        fields = (request_id, prompt_token_ids, params, output_token_ids, remote_kv, save_kv)
+        self.add(GenerateRequest(*fields, priority, lora_name))
 
     def add(self, new: GenerateRequest) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
@@ -153,6 +151,7 @@ class LLMEngine:
             if params.seed is not None
             else self._seed_rng.getrandbits(63),
         )
+        bind_lora(self.lora, request, new.lora_name)  # LoRAError (a ValueError) if unknown
         if params.guided is not None:
             self.guided.submit(request)  # ValueError for a bad guide; compiles in the background
         self.outputs.start(request)
@@ -190,6 +189,7 @@ class LLMEngine:
             or bool(self.transfers and self.transfers.has_work())
             or bool(self._pending)
             or bool(self.pipeline and self.pipeline.deferred)
+            or bool(self.batches)
             or self.guided.has_pending()
         )
 
@@ -208,10 +208,16 @@ class LLMEngine:
             outputs += self._admit_guided()
         if self.transfers is not None:
             outputs += self._handle_transfers()
+        for late in self.lora.expired(self.scheduler) if self.lora is not None else ():
+            outputs.append(self._fail(late, SLOT_TIMEOUT_ERROR))
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         if self.pipeline is not None and self.pipeline.deferred is not None:
             return outputs + self._finish_deferred()
+        if self.batches is not None:
+            self.num_steps += self.batches.launch()
+            done = self.batches.finish_oldest()
+            return outputs + (self._postprocess(*done) if done else self._idle())
         sched = self.scheduler.schedule()
         if sched.scheduled:
             logits = self.executor.execute(sched.scheduled)
@@ -221,9 +227,14 @@ class LLMEngine:
                 outputs += self._finish_deferred()
             else:
                 outputs += self._postprocess(sched.scheduled, logits)
-        elif self.guided.has_pending() and not self.scheduler.has_work():
-            self.guided.wait(0.005)  # only grammars compiling: wait briefly instead of spinning
+        else:
+            outputs += self._idle()
         return outputs
+
+    def _idle(self) -> list[RequestOutput]:
+        if self.guided.has_pending() and not self.scheduler.has_work():
+            self.guided.wait(0.005)  # only grammars compiling: wait briefly instead of spinning
+        return []
 
     def _finish_deferred(self) -> list[RequestOutput]:
         """Launch the step after the deferred one when possible (async scheduling), then
@@ -241,78 +252,53 @@ class LLMEngine:
         """Append one sampled token to its request and say so (text, logprob, finish)."""
         text, status = self.outputs.accept_token(request, tok.token_id)
         logprobs = [tok.logprob] if tok.logprob is not None else None
-        return self._token_output(request, [tok.token_id], text, logprobs, status)
+        out = self._token_output(request, [tok.token_id], text, logprobs, status)
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True  # with the first sampled token, once
+            out.prompt_logprobs = list(request.prompt_logprobs)
+        return out
 
     def _admit_guided(self) -> list[RequestOutput]:
         """Route requests whose grammar is ready; fail those it cannot serve."""
         ready, failed = self.guided.poll()
         for request in ready:
             self._route(request)
-        outputs = []
-        for failure in failed:
-            self.scheduler.finish(failure.request, RequestStatus.FINISHED_ABORTED)
-            self.outputs.release(failure.request.request_id)
-            out = self.outputs.output(failure.request, [], "", finished=True)
-            out.error = failure.error
-            outputs.append(out)
-        return outputs
+        return [self._fail(failure.request, failure.error) for failure in failed]
 
-    def _handle_transfers(self) -> list[RequestOutput]:
-        assert self.transfers is not None
-        outputs: list[RequestOutput] = []
-        found = self.transfers.poll()
-        for outcome in found.loads:
-            outputs += self._on_loaded(outcome)
-        for request, saved in found.saves:
-            outputs.append(self._on_saved(request, saved))
-        for request in found.released:
-            self.scheduler.release(request)
-        for request in self.transfers.start_pending_loads():
-            self.scheduler.make_ready(request)
-        return outputs
-
-    def _on_loaded(self, outcome: LoadOutcome) -> list[RequestOutput]:
-        request = outcome.request
-        if outcome.aborted:  # its abort output went out already; the blocks may go now
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            return []
-        request.kv_load_seconds = outcome.seconds
-        request.kv_blocks_loaded = outcome.blocks_loaded
-        request.kv_blocks_recomputed = outcome.blocks_recomputed
-        if not outcome.ok:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            self.outputs.release(request.request_id)
-            self._release_extras(request.request_id)
-            out = self.outputs.output(request, [], "", finished=True)
-            out.error = outcome.error
-            return [out]
-        self.scheduler.make_ready(request)
-        return []
-
-    def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
-        if saved.held:  # held (p2p): the blocks go when the connector releases them
-            self.scheduler.requests.pop(request.request_id, None)
-        else:
-            self.scheduler.release(request)
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """Finish a request the engine cannot serve; its output carries ``error``."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.outputs.release(request.request_id)
+        self._release_extras(request.request_id)
         out = self.outputs.output(request, [], "", finished=True)
-        out.kv_saved = saved
+        out.error = error
         return out
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], logits: torch.Tensor
     ) -> list[RequestOutput]:
-        """``logits`` has one row per request, or ``1 + drafts`` rows for one with drafts."""
+        """``logits`` has one row per request, ``1 + drafts`` rows for one with drafts, or
+        one per position of a prompt chunk whose prompt logprobs are wanted."""
         rows, to_sample, to_verify, row = [], [], [], 0
         for s in scheduled:
             n_spec = len(s.spec_token_ids)
+            prompt_rows = wants_prompt_rows(s.request)
+            n_rows = s.num_new_tokens if prompt_rows else 1 + n_spec
+            if s.request.is_finished:  # aborted while its batch was in flight (pp_batches.py)
+                row += n_rows
+                continue
+            if prompt_rows:
+                prompt_logprobs.record(
+                    s.request, s.request.num_computed_tokens, logits[row : row + n_rows]
+                )
             s.request.num_computed_tokens += s.num_new_tokens - n_spec  # drafts count once accepted
             if s.request.num_computed_tokens == s.request.num_tokens:
                 if n_spec:
                     to_verify.append((s, logits[row : row + 1 + n_spec]))
                 else:
-                    rows.append(row)
+                    rows.append(row + n_rows - 1)
                     to_sample.append(s.request)
-            row += 1 + n_spec
+            row += n_rows
         outputs = []
         if to_sample:
             # Every row sampled (no drafts, no partial prefill): skip the gather's copy.
@@ -374,36 +360,12 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release(request_id)
 
-    def get_load(self) -> LoadStats:
-        return LoadStats(
-            waiting=len(self.scheduler.waiting)
-            + self.guided.num_pending()
-            + (self.transfers.num_waiting_for_kv() if self.transfers else 0),
-            running=len(self.scheduler.running),
-            free_blocks=self.kv.pool.num_free_blocks,
-            total_blocks=self.kv.pool.num_usable_blocks,
-            prefix_hit_rate=self.kv.pool.hit_rate(),
-            waiting_for_remote_kv=self.transfers.num_waiting_for_kv() if self.transfers else 0,
-        )
-
-    def stats(self, load: LoadStats | None = None) -> EngineStats:
-        """Load (``load`` if given, else now), connector counters, KV fallbacks and
-        speculative counters, as one snapshot."""
-        transfers = self.transfers.stats if self.transfers is not None else None
-        return EngineStats(
-            load or self.get_load(),
-            self.connector.name if self.connector is not None else None,
-            self.connector.stats() if self.connector is not None else None,
-            dict(transfers.load_fallbacks) if transfers else {},
-            transfers.blocks_recomputed if transfers else 0,
-            self.spec.stats if self.spec is not None else None,
-            self.connector.p2p_stats() if self.connector is not None else None,
-        )
-
     def shutdown(self) -> None:
-        """Stop what the engine runs besides this thread (tensor-parallel workers); idempotent."""
+        """Stop what the engine runs besides this thread (tensor-parallel workers, the
+        grammar helper); idempotent."""
         self.executor.shutdown()
+        self.guided.shutdown()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (benchmarks measure cold prefills with this)."""
-        self.kv.pool.reset_prefix_cache()
+        """Forget every cached block, host tier included (benchmarks: cold prefills)."""
+        self.kv.reset_prefix_cache()

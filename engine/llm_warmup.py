@@ -4,7 +4,7 @@ On CUDA the first step of each new shape pays one-off costs: Triton JIT speciali
 the attention and fused kernels (a large prefill takes other tiles than a small one; a
 mixed prefill+decode step other kernels than a graphed decode step), cuBLAS heuristics,
 and the caching allocator growing to its working set. A batch that meets them first pays
-seconds: ``benchmarks/gpu_h200.md`` measured the same engine at 9.56k tok/s (256 × 1k/1k)
+seconds: ``benchmarks/README.md`` measured the same engine at 9.56k tok/s (256 × 1k/1k)
 without a 256-wide warm-up pass against 12.6k with one. ``warm_up`` runs one such pass on
 throwaway random prompts and then forgets their prefix blocks.
 """
@@ -16,7 +16,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine

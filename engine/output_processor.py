@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.outputs import RequestOutput
+from engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.guided.manager import GuidedDecoding
+    from engine.sampling.guided import GuidedDecoding
 
 
 class OutputProcessor:

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine_service.errors import IncompatibleKvHandle
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.outputs import KvSaveResult, RequestOutput, TokenLogprob
-    from engine.request import RemoteKV
-    from engine.sampling_params import SamplingParams
+    from engine.core.outputs import KvSaveResult, RequestOutput, TokenLogprob
+    from engine.core.request import RemoteKV
+    from engine.core.sampling_params import SamplingParams
 
 
 def sampling_params_from_proto(
@@ -28,8 +28,8 @@ def sampling_params_from_proto(
     default" for top_p (1.0) and repetition_penalty (1.0), and top_k 0 means off (-1).
     ``max_tokens`` overrides the message's (prefill always samples exactly one token).
     """
-    from engine.guided import GuidedSpec
-    from engine.sampling_params import SamplingParams
+    from engine.core.guided_spec import GuidedSpec
+    from engine.core.sampling_params import SamplingParams
 
     want_logprobs = msg.return_logprobs or msg.logprobs > 0
     min_tokens = int(msg.min_tokens)
@@ -55,6 +55,7 @@ def sampling_params_from_proto(
         # raises it (with the parser's message) for a schema/regex/grammar that won't parse.
         guided=GuidedSpec(msg.guided_kind, msg.guided_value) if msg.guided_kind else None,
         logit_bias={int(t): float(b) for t, b in msg.logit_bias.items()},
+        prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -117,16 +118,22 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
     theirs = {key: getattr(handle, key) for key in mine}
     diffs = [f"{key} {theirs[key]!r} != {mine[key]!r}" for key in mine if theirs[key] != mine[key]]
     if diffs:
-        from engine.fingerprint import tensor_parallel_size_of
+        from engine.kv.fingerprint import pipeline_parallel_size_of, tensor_parallel_size_of
 
-        theirs_tp = tensor_parallel_size_of(handle.model_fingerprint)
-        mine_tp = tensor_parallel_size_of(engine.model_fingerprint)
-        if theirs_tp != mine_tp:  # each rank's blocks hold only its KV heads
-            diffs.insert(
-                0,
-                f"tensor_parallel_size {theirs_tp} (prefill) != {mine_tp} (this decode "
-                "instance); run both pools with the same --tensor-parallel-size",
-            )
+        # Each rank's blocks hold only its KV heads, each stage's only its layers.
+        for name, size_of in (
+            ("pipeline_parallel_size", pipeline_parallel_size_of),
+            ("tensor_parallel_size", tensor_parallel_size_of),
+        ):
+            theirs_n = size_of(handle.model_fingerprint)
+            mine_n = size_of(engine.model_fingerprint)
+            if theirs_n != mine_n:
+                flag = "--" + name.replace("_", "-")
+                diffs.insert(
+                    0,
+                    f"{name} {theirs_n} (prefill) != {mine_n} (this decode instance); run "
+                    f"both pools with the same {flag}",
+                )
         raise IncompatibleKvHandle(
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)
@@ -155,7 +162,7 @@ def kv_handle(engine: Any, saved: KvSaveResult, connector: str) -> pb.KvHandle:
 def remote_kv_from_handle(handle: pb.KvHandle, prompt_len: int) -> RemoteKV:
     """The engine's ``RemoteKV`` for a (compatible) handle; ValueError when it covers more
     tokens than the prompt has."""
-    from engine.request import RemoteKV
+    from engine.core.request import RemoteKV
 
     if handle.num_tokens > prompt_len:
         raise ValueError(

@@ -22,15 +22,16 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc.aio
 
 from common.grpc_tls import peer_identity
 from engine.client import EngineClient, GenerateRequest
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 from engine_service.errors import EngineFull, ServiceUnavailable
 from engine_service.metrics import ServiceMetrics
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,39 @@ class EngineServiceCore:
             model_fingerprint=self.engine.model_fingerprint,
             model_name=self.model_name,
             draining=self.draining,
+            **lora_load_fields(self.engine),
         )
+
+
+async def load_lora_adapter(core: EngineServiceCore, request: Any) -> Any:
+    """``LoadLoRAAdapter`` of both services (a bad adapter is INVALID_ARGUMENT)."""
+    names = await core.engine.load_lora_adapter(request.lora_name, request.lora_path)  # type: ignore[attr-defined]
+    return pb.LoRAAdaptersReply(lora_adapters=names)
+
+
+async def unload_lora_adapter(core: EngineServiceCore, request: Any) -> Any:
+    names = core.engine.unload_lora_adapter(request.lora_name)  # type: ignore[attr-defined]
+    return pb.LoRAAdaptersReply(lora_adapters=names)
+
+
+def lora_identity(engine: EngineClient, name: str) -> str:
+    """The identity (name:content hash) of adapter ``name`` here; "" for the base model.
+    ``ValueError`` when this instance does not serve it."""
+    if not name:
+        return ""
+    lora = getattr(getattr(engine, "engine", None), "lora", None)
+    if lora is None:
+        raise ValueError(f"LoRA adapter {name!r} requested but LoRA is not enabled")
+    return str(lora.manager.resolve(name).identity)
+
+
+def lora_load_fields(engine: EngineClient) -> dict[str, list[str]]:
+    """The adapters an instance serves and those in a slot now (router: docs/lora.md)."""
+    lora = getattr(getattr(engine, "engine", None), "lora", None)
+    if lora is None:
+        return {}
+    mgr = lora.manager
+    return {"lora_adapters": sorted(mgr.registry), "resident_lora_adapters": mgr.resident}
 
 
 async def _quiet_abort(engine: EngineClient, request_id: str) -> None:

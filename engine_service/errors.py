@@ -59,6 +59,11 @@ class EngineFull(RuntimeError):
     """The engine's waiting queue is at its limit; try later or elsewhere."""
 
 
+class LoRASlotBusy(EngineFull):
+    """The request waited past its deadline for a LoRA slot (docs/lora.md): the instance
+    is fine, its slots are taken; RESOURCE_EXHAUSTED like a full queue."""
+
+
 _UNAVAILABLE = (ServiceUnavailable, KVStoreError, KVRecordError, ConnectionError)
 
 

@@ -14,6 +14,9 @@ collector), so they are never stale and cost nothing between scrapes; per-reques
 | pdserve_kv_load_fallbacks_total | counter | role, reason |
 | pdserve_kv_blocks_recomputed_total | counter | role |
 | pdserve_kv_p2p_* (leases, blocks held, lease ends, bytes, transfer seconds) | see p2p_metrics |
+| pdserve_lora_{loads,evictions,slot_timeouts}_total | counter | role |
+| pdserve_lora_{resident_adapters,registered_adapters,waiting_for_slot} | gauge | role |
+| pdserve_kv_events_*, pdserve_kv_host_* (KV events, host KV tier) | see kv_tier_metrics |
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine_service.p2p_metrics import p2p_families
-from pdserve.v1 import pdserve_pb2 as pb
+from engine_service.kv_tier_metrics import kv_tier_families
+from engine_service.p2p_metrics import transport_families
+from pdserve_api.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.outputs import EngineStats
     from engine.spec_decode.decoder import SpecDecodeStats
+    from engine.stats import EngineStats
     from kv_store.stats import ConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,17 @@ _GAUGES = (
     ("prefix_hit_rate", "fraction of prompt tokens served by the local prefix cache"),
     ("waiting_for_remote_kv", "requests waiting for their KV from the store"),
 )
+
+
+_LORA_COUNTERS = ("loads", "evictions", "slot_timeouts")
+_LORA_DOCS = {
+    "loads": "LoRA adapters copied into a device slot",
+    "evictions": "LoRA adapters evicted from a slot for another (LRU)",
+    "slot_timeouts": "requests refused after waiting past their deadline for a LoRA slot",
+    "resident_adapters": "LoRA adapters in a device slot now",
+    "registered_adapters": "LoRA adapters this instance serves",
+    "waiting_for_slot": "requests waiting for a LoRA slot",
+}
 
 
 class _EngineCollector(Collector):
@@ -70,8 +85,40 @@ class _EngineCollector(Collector):
             yield from self._fallbacks(stats)
         if stats.spec is not None:
             yield from self._spec_counters(stats.spec)
-        if stats.p2p is not None:
-            yield from p2p_families(stats.connector_name or "?", self._role, stats.p2p)
+        if stats.transport is not None:
+            yield from transport_families(stats.connector_name or "?", self._role, stats.transport)
+        yield from self._lora()
+        yield from self._guided()
+        yield from kv_tier_families(self._role, stats)
+
+    def _guided(self) -> Iterator[Metric]:
+        """Grammar compiles by source: ``compiled`` here, or ``shared`` (loaded from
+        ``--guided-cache-dir``, another instance's compile)."""
+        guided = getattr(getattr(self._engine, "engine", None), "guided", None)
+        if guided is None:
+            return
+        counter = CounterMetricFamily(
+            "pdserve_guided_compiles",
+            "guided-decoding grammars compiled here, or loaded from another instance's compile",
+            labels=["role", "source"],
+        )
+        for source, value in guided.compile_counts().items():
+            counter.add_metric([self._role, source], float(value))
+        yield counter
+
+    def _lora(self) -> Iterator[Metric]:
+        """LoRA slots (docs/lora.md): counters of loads, evictions and requests refused
+        after waiting for a slot; gauges of resident and served adapters and of requests
+        waiting for a slot."""
+        lora = getattr(getattr(self._engine, "engine", None), "lora", None)
+        if lora is None:
+            return
+        for name, value in lora.metrics().items():
+            doc = _LORA_DOCS[name]
+            family: Any = CounterMetricFamily if name in _LORA_COUNTERS else GaugeMetricFamily
+            metric = family(f"pdserve_lora_{name}", doc, labels=["role"])
+            metric.add_metric([self._role], float(value))
+            yield metric
 
     def _spec_counters(self, stats: SpecDecodeStats) -> Iterator[Metric]:
         """Speculative-decoding tokens drafted and accepted (acceptance = accepted / draft)."""

@@ -30,6 +30,15 @@ if TYPE_CHECKING:
     from kv_store.p2p.stats import P2PStats
 
 
+def transport_families(connector: str, role: str, transport: object) -> Iterator[Metric]:
+    """The families of a connector's transport figures (``EngineStats.transport``): p2p's
+    below; a kind this module does not know exports nothing."""
+    from kv_store.p2p.stats import P2PStats
+
+    if isinstance(transport, P2PStats):
+        yield from p2p_families(connector, role, transport)
+
+
 def p2p_families(connector: str, role: str, stats: P2PStats) -> Iterator[Metric]:
     """Every family of the table above for one snapshot."""
     from kv_store.p2p.stats import LEASE_END_REASONS, TRANSFER_BUCKETS

@@ -25,11 +25,14 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.grpc_tls import TlsFiles, parse_allowed
+from common.memory_trim import MemoryTrimmer
+from engine.args import EngineArgs
 from engine_service.auth import AllowedClientsInterceptor, TokenAuthInterceptor
 from engine_service.core import EngineServiceCore
 from engine_service.errors import ErrorMappingInterceptor
 from engine_service.metrics import ServiceMetrics
-from engine_service.settings import ServiceSettings, engine_config_from_args
+from engine_service.settings import ServiceSettings
+from kv_store.args import KVStoreSettings
 from kv_store.base import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -37,11 +40,28 @@ logger = logging.getLogger(__name__)
 # (server, core, connector) -> the fully qualified service names it registered
 Register = Callable[[grpc.aio.Server, EngineServiceCore, Any], list[str]]
 
-_GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.so_reuseport", 0),  # a second service on the same port must fail, not share it
-]
+
+def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Server options. The receive limit is checked by gRPC on the message's length prefix
+    before the body is parsed, so a huge message (even an unauthenticated one, whose
+    metadata the token interceptor checks only once it has the whole message) is refused
+    with RESOURCE_EXHAUSTED; the frames already read are freed, and ``MemoryTrimmer``
+    returns them to the OS (docs/design.md §3, "Bounded inputs"); docs/running.md sizes it."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", 64 << 20),
+        # grpc binds with SO_REUSEADDR (a restart on the same port works at once, despite
+        # TIME-WAIT); SO_REUSEPORT stays off: a second service on the port must fail.
+        ("grpc.so_reuseport", 0),
+        # Long-lived streams (SubscribeKvEvents) can be idle for minutes: ping idle
+        # connections so a vanished subscriber's stream ends and its queue is dropped, and
+        # let callers ping too (every 5 s at most) to watch the server the same way.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ]
 
 
 def configure_threads(torch_threads: int) -> None:
@@ -56,21 +76,27 @@ def configure_threads(torch_threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def build_connector(args: argparse.Namespace) -> Any | None:
-    """The KV connector named by the connector flags, or None for ``--connector none``."""
-    from kv_store.factory import KVStoreSettings
+def build_connector(store: KVStoreSettings, host: str) -> Any | None:
+    """The KV connector the store settings name, or None for ``--connector none``."""
     from kv_store.factory import build_connector as factory_build
 
-    settings = KVStoreSettings.from_args(args)
-    return factory_build(settings, host=args.host)
+    return factory_build(store, host=host)
 
 
 def run_service(args: argparse.Namespace, *, role: str, register: Register) -> int:
-    """Run one service process until it is signalled; returns the exit status."""
-    settings = ServiceSettings.from_args(args, role)
+    """Run one service process until it is signalled; returns the exit status. The parsed
+    flags become the three settings models here, once (docs/design.md §3 "Settings")."""
+    settings = ServiceSettings.for_role(args, role)
     configure_threads(settings.torch_threads)
     try:
-        status = asyncio.run(_serve(args, settings, register))
+        engine_args = EngineArgs.from_args(args)
+        store = KVStoreSettings.from_args(args)
+        if engine_args.pipeline_stage > 0:  # a pipeline stage on its own host: no engine
+            from engine_service.stage_service import run_stage
+
+            status = run_stage(settings, engine_args, store)
+        else:
+            status = asyncio.run(_serve(settings, engine_args, store, register))
     except (ValueError, KVStoreError) as exc:
         # Bad settings or an unreachable store at startup: one clear line, not a traceback.
         logger.error("%s service cannot start: %s", role, exc)
@@ -98,8 +124,9 @@ def _exit_despite_stray_threads(status: int, timeout: float = 5.0) -> None:
         os._exit(status)
 
 
-async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: Register) -> int:
-    """``args`` supplies the engine and store flags (their own settings are built from it)."""
+async def _serve(
+    settings: ServiceSettings, engine_args: EngineArgs, store: KVStoreSettings, register: Register
+) -> int:
     from engine.async_engine import AsyncLLMEngine, EngineDeadError
     from engine.executor import ExecutorFailure
 
@@ -115,13 +142,15 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
             metrics.record_outcome, unavailable=(EngineDeadError, ExecutorFailure)
         )
     )
-    server = grpc.aio.server(interceptors=interceptors, options=_GRPC_OPTIONS)
+    options = _grpc_options(settings.grpc_max_message_bytes)
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_server = None
     metrics_server = None
     engine: AsyncLLMEngine | None = None
+    trimmer = MemoryTrimmer(settings.memory_trim_interval)
     try:
         # The ports are claimed before the engine loads: the engine's helpers (the tensor-
         # parallel store, gloo) bind ephemeral loopback ports and could otherwise take ours,
@@ -131,8 +160,8 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
             health_server = await _serve_health(health_servicer, settings)
         if settings.metrics_port:
             metrics_server = _serve_metrics(metrics, settings)
-        config = engine_config_from_args(args)
-        connector = build_connector(args)
+        config = engine_args.create_engine_config()
+        connector = build_connector(store, settings.host)
         engine = AsyncLLMEngine(config, connector)
         await engine.start()
         metrics.watch_engine(engine)
@@ -145,6 +174,7 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         )
         names = register(server, core, connector)
         await server.start()
+        trimmer.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -161,8 +191,11 @@ async def _serve(args: argparse.Namespace, settings: ServiceSettings, register: 
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, stop))
         await _drain_on_signal(core, health_servicer, settings.drain_grace, stop)
         watcher.cancel()
+        if engine.kv_events is not None:
+            engine.kv_events.close()  # end the event streams now, not at the stop's grace
         await server.stop(grace=2.0)
     finally:
+        trimmer.stop()
         if health_server is not None:
             await health_server.stop(grace=None)
         if engine is not None:
@@ -215,7 +248,7 @@ def _serve_metrics(metrics: ServiceMetrics, settings: ServiceSettings) -> Any:
 async def _serve_health(health_servicer: Any, settings: ServiceSettings) -> grpc.aio.Server:
     """A second, plaintext server with only ``grpc.health.v1``: the kubelet's gRPC probes
     cannot present a client certificate. It shares the main server's health states."""
-    server = grpc.aio.server(options=_GRPC_OPTIONS)
+    server = grpc.aio.server(options=_grpc_options(settings.grpc_max_message_bytes))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     _listen(server, f"{settings.host}:{settings.grpc_health_port}", None)
     await server.start()

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from lmcache.v1.gpu_connector import GPUConnectorInterface
 
-from kv_store.record import byte_view, copy_into
+from kv_store.base import byte_view
+from kv_store.record import copy_into
 
 
 class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]

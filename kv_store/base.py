@@ -1,33 +1,36 @@
-"""The KV connector interface (docs/design.md §3), split like vLLM's.
+"""The KV connector interface (docs/design.md §3, "Connector"): the one module of
+``kv_store`` the engine imports. Split by role, as vLLM V1 splits its connector:
 
-Scheduler side: ``lookup`` — side-effect free, how many leading blocks the store holds.
-Worker side: ``start_save`` / ``start_load`` move blocks between the paged cache and the
-store on background threads; ``poll`` reports finished transfers, so the engine's step loop
-never blocks on I/O.
+- ``KVConnectorScheduler``, the scheduler side: one per engine, in the engine's own process
+  (rank 0 under tensor parallelism). ``lookup`` (side-effect free: how many leading blocks
+  the store holds), the transfer counters (``stats``) and the transport's own figures
+  (``transport_stats``, opaque to the engine).
+- ``KVConnectorWorker``, the worker side: one per rank, moving bytes between that rank's
+  paged cache and the store or a peer. ``start_save`` / ``start_load`` run on background
+  threads and ``poll`` reports finished transfers, so the step loop never blocks on I/O. A
+  save may be reported ``held`` (its blocks stay in this cache for a peer to read) until a
+  result of kind ``"release"``; ``release_held`` ends a hold early.
+- ``KVConnector``: one connector playing both roles, what ``kv_store.factory`` builds and
+  the engine is given. The engine keeps it as its scheduler side and moves bytes through
+  its worker side, or, with N > 1 ranks, through ``across_ranks``: every rank runs a worker
+  built from ``rank_spec`` and rank 0 merges their results.
 
-Storage backends (fs, redis) implement the small batched ``StorageBackend`` API; the
-``BlockStoreConnector`` turns any backend into a connector. LMCache is a connector of its
-own because LMCache addresses KV by token prefix rather than by our block keys.
+Behind the roles, and never imported here: the stores (``kv_store/backend.py`` and the
+block records), p2p leases and pulls (``kv_store/p2p/``) and the rank fan-out
+(``kv_store/tp_connector.py``, ``kv_store/tp_worker.py``: imported when first used).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kv_store.stats import ConnectorStats
+# The counters every connector keeps (plain numbers; exported as pdserve_kv_*).
+from kv_store.stats import ConnectorStats as ConnectorStats
 
 if TYPE_CHECKING:
     import torch
-
-    from kv_store.p2p.stats import P2PStats
-
-
-# What ``StorageBackend.put`` accepts: records are built in a ``bytearray`` (one copy out of
-# the cache) and must not be copied again into ``bytes`` just to satisfy a type.
-Blob = bytes | bytearray | memoryview
 
 
 class KVStoreError(RuntimeError):
@@ -104,87 +107,77 @@ class TransferResult:
     source_address: str = ""
 
 
-class StorageBackend(abc.ABC):
-    """Batched key → bytes storage. Every method may raise ``KVStoreError``."""
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as uint8 when it is a one-byte float (float8, same shape), else
+    ``t``: code that only moves cache bytes (the engine's K/V stores, staging, p2p, the
+    LMCache glue) goes through this, since torch has no float8 ``index_put`` on the CPU and
+    gloo cannot send float8."""
+    if t.element_size() != 1 or not t.is_floating_point():
+        return t
+    import torch  # only for a float8 cache: settings code imports this module without torch
 
-    @abc.abstractmethod
-    def exists(self, keys: list[str]) -> list[bool]: ...
-
-    @abc.abstractmethod
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        """Values in order; ``None`` for a missing (or expired) key."""
-
-    @abc.abstractmethod
-    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
-        """Write all items; a reader never sees a torn value."""
-
-    @abc.abstractmethod
-    def delete(self, keys: list[str]) -> None: ...
-
-    def limit_value_bytes(self, max_bytes: int) -> None:  # noqa: B027 - optional hook
-        """No valid value is larger than ``max_bytes`` (the connector's largest record): a
-        backend may refuse to read larger ones (the fs store does, unread)."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections."""
+    return t.view(torch.uint8)
 
 
-class VectoredBackend(StorageBackend):
-    """A backend that moves records straight between the paged cache's memory and the
-    store (scatter/gather I/O: ``writev``/``readv`` on files, ``sendmsg``/``recvmsg_into``
-    on sockets), without assembling each record in a buffer first.
+# -- the scheduler side ---------------------------------------------------------------------
+class KVConnectorScheduler(abc.ABC):
+    """What the engine's scheduler asks of the connector; one per engine.
 
-    The block connector uses these methods only when ``vectored_io`` is True; any other
-    ``StorageBackend`` goes through ``get``/``put`` with whole records.
-    """
-
-    @property
-    def vectored_io(self) -> bool:
-        """Whether the vectored methods work with this backend's current settings."""
-        return True
-
-    @abc.abstractmethod
-    def put_parts(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
-        """Write each record as the concatenation of its parts; atomic per record."""
-
-    @abc.abstractmethod
-    def read_into(self, keys: list[str], parts: Sequence[Sequence[Blob]]) -> Iterable[int | None]:
-        """Receive each record straight into its writable buffers ``parts[i]`` when its size
-        equals their total. Yields per key the record's size (when it differs from the
-        total nothing was written: fall back to ``get``) or None when missing. May be lazy:
-        a caller that stops iterating stops the reads."""
-
-
-class KVConnector(abc.ABC):
-    """Moves prompt KV between an engine's paged cache and a shared store.
-
-    ``counters`` is updated by the connector's workers; readers (the service metrics) take
-    ``stats()``, a consistent snapshot, and never reach into the connector otherwise.
+    ``counters`` is updated by the connector's workers; readers (the service metrics, through
+    ``LLMEngine.stats()``) take ``stats()``, a consistent snapshot, and never reach into the
+    connector otherwise.
     """
 
     name: str = "base"
     counters: ConnectorStats
-    # How a tensor-parallel worker rank builds a connector of the same kind for its own
-    # shard (JSON; set by ``kv_store.factory.build_connector``). None: this connector
-    # cannot serve an engine with tensor_parallel_size > 1 (``kv_store/tp_connector.py``).
-    worker_recipe: dict[str, Any] | None = None
+
+    @abc.abstractmethod
+    def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the store holds. No side effects."""
 
     def stats(self) -> ConnectorStats:
         """A consistent snapshot of the transfer counters (exported as ``pdserve_kv_*``)."""
         return self.counters.snapshot()
 
+    def transport_stats(self) -> object | None:
+        """A snapshot of the figures this connector's transport keeps beyond
+        ``ConnectorStats`` (p2p: leases and pulls, ``kv_store.p2p.stats.P2PStats``), or None.
+        The engine hands it on unread (``EngineStats.transport``); the service exports the
+        kinds it knows."""
+        return None
+
+
+# -- the worker side ------------------------------------------------------------------------
+class RankChannel(Protocol):
+    """How rank 0 reaches the worker ranks 1..size-1: the engine's executor provides it
+    (``engine/kv/tp.py``), ``KVConnectorWorker.across_ranks`` uses it."""
+
+    size: int
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Deliver ``message`` (JSON) to every worker rank, in order with the step inputs."""
+        ...
+
+    def receive(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(rank, message)`` the workers sent since the last call; never blocks."""
+        ...
+
+
+class KVConnectorWorker(abc.ABC):
+    """Moves KV blocks between one rank's paged cache and the store or a peer."""
+
+    name: str = "base"
+    # How another tensor-parallel rank builds a worker of the same kind for its own shard
+    # (JSON; set by ``kv_store.factory.build_connector``). None: this worker cannot run per
+    # rank, and an engine with tensor_parallel_size > 1 refuses it (``check_ranks``).
+    rank_spec: dict[str, Any] | None = None
+
     @abc.abstractmethod
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
-        """Called once by the engine with its cache ``[layers, 2, blocks, block, heads, dim]``."""
+        """Called once with this rank's cache ``[layers, 2, blocks, block, heads, dim]``."""
 
-    # -- scheduler side -------------------------------------------------------------------
-    @abc.abstractmethod
-    def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
-        """How many leading blocks of ``block_hashes`` the store holds. No side effects."""
-
-    # -- worker side ----------------------------------------------------------------------
     @abc.abstractmethod
     def start_save(self, transfer: KVTransfer) -> None:
         """Begin writing blocks ``start_block..`` that the store lacks. The engine keeps the
@@ -199,11 +192,6 @@ class KVConnector(abc.ABC):
     def poll(self) -> list[TransferResult]:
         """Finished transfers since the last call (non-blocking)."""
 
-    def p2p_stats(self) -> P2PStats | None:
-        """Leases and pulls of a connector that hands KV peer to peer (p2p); None for a
-        store connector (exported as ``pdserve_kv_p2p_*``)."""
-        return None
-
     def release_held(self, request_id: str) -> bool:
         """End the hold of a save reported ``held`` (the request was aborted); its
         ``"release"`` result follows. False when the request holds nothing."""
@@ -211,3 +199,54 @@ class KVConnector(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop worker threads and release the store."""
+
+    def check_ranks(self, size: int) -> None:
+        """``ValueError`` when this worker cannot run on ``size`` ranks; the engine asks
+        before it starts any rank."""
+        if size > 1 and self.rank_spec is None:
+            raise ValueError(
+                f"the {self.name!r} KV connector cannot serve tensor_parallel_size > 1 or "
+                "pipeline_parallel_size > 1 (no "
+                "worker per rank can be built for it; LMCache keys KV by token prefix, not "
+                "per-rank records); use --connector fs, redis or p2p"
+            )
+
+    def across_ranks(self, channel: RankChannel, timeout_s: float) -> KVConnectorWorker:
+        """Rank 0's worker when ``channel.size`` ranks each hold a shard of the cache: every
+        transfer reaches every rank's worker, in order with the steps, and is reported once
+        all have finished (docs/design.md §3, "KV with tensor parallelism"). Not yet bound;
+        ``timeout_s`` bounds the workers' binding."""
+        self.check_ranks(channel.size)
+        from kv_store.tp_connector import TPConnector  # the fan-out: loaded when used
+
+        return TPConnector(self, channel, timeout_s)
+
+
+class KVConnector(KVConnectorScheduler, KVConnectorWorker):
+    """A connector playing both roles (what the factory builds; docs/design.md §3)."""
+
+    name: str = "base"
+
+
+class RankWorker(Protocol):
+    """A worker rank's end of the messages rank 0's ``across_ranks`` worker sends."""
+
+    def handle(self, message: dict[str, Any], kv_cache: torch.Tensor) -> list[dict[str, Any]]:
+        """Act on one message (bind, save, load, release, close); returns the messages to
+        send back to rank 0 now. Starts transfers, never waits for them."""
+        ...
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Messages for rank 0 about transfers finished since the last call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def rank_worker(rank: int, host: str | None = None) -> RankWorker:
+    """The end of rank 0's KV messages that worker rank ``rank`` runs; it builds its own
+    connector from the ``rank_spec`` in the ``bind`` message (``kv_store/tp_worker.py``).
+    ``host``: this rank's own address, when it is not on rank 0's host (p2p serves there)."""
+    from kv_store.tp_worker import TPRankWorker  # the fan-out: loaded when used
+
+    return TPRankWorker(rank, host)

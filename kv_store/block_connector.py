@@ -24,16 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_store.base import (
-    Blob,
-    KvLayout,
-    KVRecordError,
-    KVStoreError,
-    KVTransfer,
-    StorageBackend,
-    TransferResult,
-    VectoredBackend,
-)
+from kv_store.backend import Blob, StorageBackend, VectoredBackend
+from kv_store.base import KvLayout, KVRecordError, KVStoreError, KVTransfer, TransferResult
 from kv_store.connector_common import AsyncConnectorBase, Deadline, TransferDeadline
 from kv_store.keys import block_keys
 from kv_store.record import (

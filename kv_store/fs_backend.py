@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from kv_store.base import Blob, KVStoreError, VectoredBackend
+from kv_store.backend import Blob, VectoredBackend
+from kv_store.base import KVStoreError
 from kv_store.fs_files import Refused, discard, looks_like_record, open_record
 
 logger = logging.getLogger(__name__)

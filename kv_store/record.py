@@ -317,10 +317,3 @@ def _verify(
         )
     if mac is not None:
         mac.verify(key, header[:_MAC_AT], payload, bytes(header[_MAC_AT:HEADER_SIZE]))
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted as uint8 when it is one-byte float8 (same shape), else ``t``:
-    code that only moves cache bytes (staging, LMCache glue, the engine's K/V stores)
-    goes through this, since torch has no float8 index_put on the CPU."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

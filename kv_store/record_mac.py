@@ -13,7 +13,7 @@ one written without a MAC (its MAC field is zero).
 Why BLAKE3 and not HMAC-SHA256 (record version 4; 3 was HMAC-SHA256): the MAC is one
 more pass over every byte saved or loaded, and keyed BLAKE3 runs at about twice
 SHA-256's speed per core here (3.3 vs 1.6 GB/s), which cut the MAC's cost on a Redis
-round trip from 29 % to 22 % (benchmarks/kv_transfer.md). Both are standard MACs (BLAKE3's keyed mode is
+round trip from 29 % to 22 % (benchmarks/results/kv/kv_mac_ab.json). Both are standard MACs (BLAKE3's keyed mode is
 a PRF). ``update()`` takes the payload pieces as memoryviews of the cache, so the vectored
 paths stay zero-copy, and releases the GIL on large inputs, so the connector's I/O threads
 MAC in parallel.

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -32,15 +31,13 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
-from kv_store.base import Blob, KVStoreError, VectoredBackend
+from kv_store.backend import Blob, VectoredBackend
+from kv_store.base import KVStoreError
 from kv_store.breaker import CircuitBreaker
+from kv_store.redis_wire import WRONG_TYPE, ReplyReader, byte_views, send_all
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_LINE_READ = 64  # bytes asked for when reading a reply line: little payload is over-read
-_MAX_LINE = 4096
-_IOV_MAX = 1024
 
 
 def _chunks(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
@@ -188,7 +185,7 @@ class RedisBackend(VectoredBackend):
             raise ValueError(f"get_into needs a redis:// or unix:// URL, not {self.shown_url!r}")
         # Checked before anything is sent: a bad buffer found mid-reply would leave earlier
         # keys' buffers written and raise a TypeError from inside the socket loop.
-        views = [_byte_views(bufs, f"parts[{i}]", writable=True) for i, bufs in enumerate(parts)]
+        views = [byte_views(bufs, f"parts[{i}]", writable=True) for i, bufs in enumerate(parts)]
         return self._guarded(
             lambda: self._client.get_retry().call_with_retry(
                 lambda: self._get_into_once(keys, views), lambda _err: None
@@ -221,8 +218,17 @@ class RedisBackend(VectoredBackend):
         # start at our first GET; redis-py's parser is not used and holds nothing.
         with self._raw_connection("reading a reply") as conn:
             conn.send_packed_command(conn.pack_commands([("GET", self._k(k)) for k in keys]))
-            reader = _ReplyReader(conn._sock)  # noqa: SLF001 - the connection's own socket
-            return [reader.bulk_into(v) for v in views]
+            reader = ReplyReader(conn._sock)  # noqa: SLF001 - the connection's own socket
+            sizes = [reader.bulk_into(v) for v in views]
+        # A key holding another type (WRONGTYPE) is a bad record, not an outage: it reads
+        # as missing (recomputed) and is deleted, and the breaker counts a success.
+        bad = [key for key, size in zip(keys, sizes, strict=True) if size == WRONG_TYPE]
+        if bad:
+            logger.warning(
+                "redis %s: %d record(s) of the wrong type; deleting", self.shown_url, len(bad)
+            )
+            self._client.delete(*[self._k(k) for k in bad])
+        return [None if size == WRONG_TYPE else size for size in sizes]
 
     def put_parts(self, items: Sequence[tuple[str, Sequence[Blob]]]) -> None:
         """Like ``put``, each value given as pieces sent back to back in one pipelined
@@ -230,7 +236,7 @@ class RedisBackend(VectoredBackend):
         if not items:
             return
         views = [
-            (key, _byte_views(parts, f"items[{i}]", writable=False))
+            (key, byte_views(parts, f"items[{i}]", writable=False))
             for i, (key, parts) in enumerate(items)
         ]
         if not self.vectored_io:
@@ -261,7 +267,7 @@ class RedisBackend(VectoredBackend):
             bufs += views
             bufs.append(b"\r\n" + ex)
         with self._raw_connection("sending values") as conn:
-            _send_all(conn._sock, bufs)  # noqa: SLF001 - the connection's own socket
+            send_all(conn._sock, bufs)  # noqa: SLF001 - the connection's own socket
             for _ in items:
                 reply = conn.read_response()  # redis-py raises on an error reply
                 if reply not in (b"OK", "OK", True):
@@ -287,105 +293,3 @@ class RedisBackend(VectoredBackend):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
-
-
-def _byte_views(bufs: Sequence[Blob], name: str, *, writable: bool) -> list[memoryview]:
-    """Byte views of ``bufs``; ``ValueError`` naming the buffer if one is not C-contiguous
-    (or, for ``writable``, is read-only)."""
-    views = []
-    for j, b in enumerate(bufs):
-        try:
-            v = memoryview(b).cast("B")
-        except TypeError as e:
-            raise ValueError(f"{name}[{j}] must be a C-contiguous buffer: {e}") from None
-        if writable and v.readonly:
-            raise ValueError(f"{name}[{j}] is read-only; values are received into it")
-        views.append(v)
-    return views
-
-
-def _send_all(sock: socket.socket, bufs: Sequence[Blob]) -> None:
-    """``sendmsg`` every byte of ``bufs`` (gather write; resumes after a partial send)."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = sock.sendmsg(views[:_IOV_MAX])
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-class _ReplyReader:
-    """Reads RESP bulk-string replies (``GET``) from a connected socket, each value straight
-    into caller buffers. Raises ``redis.ResponseError`` for an error reply and
-    ``redis.ConnectionError`` for a closed connection or anything that is not a bulk
-    string (both leave the connection unusable)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._pending = bytearray()  # received but not yet consumed
-
-    def _recv_some(self) -> None:
-        chunk = self._sock.recv(_LINE_READ)
-        if not chunk:
-            raise redis.ConnectionError("connection closed by server")
-        self._pending += chunk
-
-    def _line(self) -> bytes:
-        while (end := self._pending.find(b"\r\n")) < 0:
-            if len(self._pending) > _MAX_LINE:
-                raise redis.ConnectionError("protocol error: reply line too long")
-            self._recv_some()
-        line = bytes(self._pending[:end])
-        del self._pending[: end + 2]
-        return line
-
-    def _read_into(self, views: list[memoryview]) -> None:
-        """Fill ``views`` completely: first from what is pending, then from the socket."""
-        todo = [v for v in views if v.nbytes]
-        while todo and self._pending:
-            n = min(len(self._pending), todo[0].nbytes)
-            todo[0][:n] = self._pending[:n]
-            del self._pending[:n]
-            todo[0] = todo[0][n:]
-            if not todo[0].nbytes:
-                todo.pop(0)
-        while todo:
-            # One scatter read fills many buffers (a block is 2 x layers cache slices).
-            n = self._sock.recvmsg_into(todo[:_IOV_MAX])[0]
-            if n == 0:
-                raise redis.ConnectionError("connection closed by server")
-            while todo and n >= todo[0].nbytes:
-                n -= todo[0].nbytes
-                todo.pop(0)
-            if n:
-                todo[0] = todo[0][n:]
-
-    def bulk_into(self, views: list[memoryview]) -> int | None:
-        """Read one bulk reply into ``views`` if its size is their total (else discard
-        it); its size, or None for a missing key."""
-        line = self._line()
-        if line[:1] == b"-":
-            raise redis.ResponseError(line[1:].decode("utf-8", "replace"))
-        if line in (b"$-1", b"_"):  # RESP2 / RESP3 null
-            return None
-        if line[:1] != b"$" or not line[1:].isdigit():
-            raise redis.ConnectionError(f"protocol error: unexpected reply {line[:40]!r}")
-        size = int(line[1:])
-        want = sum(v.nbytes for v in views)
-        if size == want:
-            self._read_into(views)
-        else:
-            scratch = memoryview(bytearray(min(size, 1 << 20)))
-            left = size
-            while left:
-                n = min(left, scratch.nbytes)
-                self._read_into([scratch[:n]])
-                left -= n
-        crlf = memoryview(bytearray(2))
-        self._read_into([crlf])
-        if crlf != b"\r\n":
-            raise redis.ConnectionError("protocol error: bulk string not followed by CRLF")
-        return size

@@ -8,7 +8,8 @@ import contextlib
 import numpy as np
 import torch
 
-from kv_store.record import byte_view, cache_numpy
+from kv_store.base import byte_view
+from kv_store.record import cache_numpy
 
 
 class Staging:

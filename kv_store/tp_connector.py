@@ -1,5 +1,7 @@
 """KV handoff between tensor-parallel instances: each rank moves its own shard
-(docs/design.md §3, "KV with tensor parallelism").
+(docs/design.md §3, "KV with tensor parallelism"). With pipeline parallelism the ranks are
+the P x N processes of the grid (global rank ``stage * N + tp_rank``), each moving its
+stage's layers of its heads ("KV with pipeline parallelism"): the same code, more ranks.
 
 With ``tensor_parallel_size`` N > 1 every rank's paged cache holds only its KV heads, so
 every rank runs a connector of its own over its own cache: rank r of the prefill saves
@@ -13,12 +15,14 @@ gathered on rank 0.
   ``source_address`` and ``transfer_id`` list the N ranks' values in rank order, joined by
   ``,`` (``split_ranks``), and decode rank r pulls entry r from prefill rank r.
 
-``TPConnector`` is what the engine (rank 0) sees: it wraps rank 0's connector, hands every
-save, load and release to the worker ranks through a ``RankChannel`` (in order with the
-steps, so a save reads blocks the step before it wrote) and reports a transfer once every
-rank has: a load counts the blocks *every* rank loaded (the engine recomputes the rest on
-all ranks), a save is held only when every rank holds it, a release comes after the last
-rank's. Its counters are rank 0's.
+``TPConnector`` is rank 0's worker side (``KVConnectorWorker.across_ranks`` builds it): it
+wraps rank 0's own worker, hands every save, load and release to the worker ranks through
+the engine's ``RankChannel`` (in order with the steps, so a save reads blocks the step
+before it wrote) and reports a transfer once every rank has: a load counts the blocks
+*every* rank loaded (the engine recomputes the rest on all ranks), a save is held only when
+every rank holds it, a release comes after the last rank's. The scheduler side (lookup,
+counters) stays rank 0's connector. A worker rank's end of the messages is
+``kv_store/tp_worker.py``.
 """
 
 from __future__ import annotations
@@ -26,15 +30,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
-from kv_store.stats import ConnectorStats
+from kv_store.base import KVConnectorWorker, KvLayout, KVTransfer, RankChannel, TransferResult
 
 if TYPE_CHECKING:
     import torch
-
-    from kv_store.p2p.stats import P2PStats
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +75,6 @@ def result_from_json(d: dict[str, Any]) -> TransferResult:
     return TransferResult(**d)
 
 
-class RankChannel(Protocol):
-    """How rank 0 reaches the worker ranks 1..size-1 (``engine/tp_kv.py``)."""
-
-    size: int
-
-    def send(self, message: dict[str, Any]) -> None:
-        """Deliver ``message`` to every worker rank, in order with the step inputs."""
-        ...
-
-    def receive(self) -> list[tuple[int, dict[str, Any]]]:
-        """``(rank, message)`` the workers sent since the last call; never blocks."""
-        ...
-
-
 def merge_results(kind: str, parts: list[TransferResult]) -> TransferResult:
     """One result for the engine from every rank's (rank order) for the same transfer."""
     out = dataclasses.replace(parts[0], keys=list(parts[0].keys))
@@ -116,35 +103,21 @@ class _Pending:
     parts: dict[int, TransferResult] = dataclasses.field(default_factory=dict)
 
 
-class TPConnector(KVConnector):
-    """Rank 0's connector of a tensor-parallel engine; see the module docstring."""
+class TPConnector(KVConnectorWorker):
+    """Rank 0's worker side of a tensor-parallel engine; see the module docstring."""
 
-    def __init__(
-        self, local: KVConnector, channel: RankChannel, recipe: dict[str, Any], timeout_s: float
-    ) -> None:
-        """``local``: rank 0's own connector; ``recipe``: how a worker builds one of the
-        same kind (``KVConnector.worker_recipe``); ``timeout_s``: how long binding may take
-        on the workers."""
-        self.local, self.channel, self.recipe, self.timeout_s = local, channel, recipe, timeout_s
+    def __init__(self, local: KVConnectorWorker, channel: RankChannel, timeout_s: float) -> None:
+        """``local``: rank 0's own worker, which has a ``rank_spec`` (how a worker rank
+        builds one of the same kind); ``timeout_s``: how long binding may take on the
+        workers."""
+        if local.rank_spec is None:
+            raise ValueError(f"the {local.name!r} KV connector has no rank_spec")
+        self.local, self.channel, self.timeout_s = local, channel, timeout_s
+        self.spec: dict[str, Any] = local.rank_spec
         self.size = channel.size
         self.name = local.name
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._held: set[str] = set()  # saves held on every rank: a release follows
-
-    @property
-    def counters(self) -> ConnectorStats:  # type: ignore[override]
-        return self.local.counters
-
-    @property
-    def address(self) -> str:
-        """Rank 0's p2p address (tools and tests that name the prefill's control port)."""
-        return str(getattr(self.local, "address", ""))
-
-    def stats(self) -> ConnectorStats:
-        return self.local.stats()
-
-    def p2p_stats(self) -> P2PStats | None:
-        return self.local.p2p_stats()
 
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
@@ -157,7 +130,7 @@ class TPConnector(KVConnector):
         self.channel.send(
             {
                 "op": "bind",
-                "recipe": self.recipe,
+                "spec": self.spec,
                 "fingerprint": model_fingerprint,
                 "size": self.size,
                 "layout": dataclasses.asdict(layout),
@@ -170,21 +143,14 @@ class TPConnector(KVConnector):
                 if msg.get("op") != "bound":
                     continue
                 if not msg.get("ok"):
-                    raise RuntimeError(
-                        f"KV connector of tensor-parallel rank {rank}: {msg['error']}"
-                    )
+                    raise RuntimeError(f"KV connector of grid rank {rank}: {msg['error']}")
                 bound.add(rank)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.size)) - bound)
                 raise RuntimeError(
-                    f"KV connectors of tensor-parallel ranks {missing} not bound within "
-                    f"{self.timeout_s} s"
+                    f"KV connectors of grid ranks {missing} not bound within {self.timeout_s} s"
                 )
             time.sleep(0.005)
-
-    def lookup(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
-        """Rank 0's view: a block another rank lacks shows up as a short load, recomputed."""
-        return self.local.lookup(token_ids, block_hashes)
 
     def start_save(self, transfer: KVTransfer) -> None:
         self._start((transfer.request_id, "save"), transfer, {})
@@ -219,7 +185,8 @@ class TPConnector(KVConnector):
     def _refuse_load(self, transfer: KVTransfer) -> None:
         error = (
             f"the KV handle lists {len(transfer.transfer_id.split(RANK_SEP))} p2p sources; "
-            f"this instance has tensor_parallel_size {self.size}"
+            f"this instance moves its KV over {self.size} processes (its tensor- x "
+            "pipeline-parallel grid)"
         )
         result = TransferResult(transfer.request_id, "load", False, failure_reason="layout")
         result.error = error

@@ -38,17 +38,24 @@ def gpu_ids(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     return (pool or [str(i) for i in range(count)])[:count]
 
 
+def gpus_per_engine(args: argparse.Namespace) -> int:
+    """P × N: one GPU per process of an engine's pipeline stages and tensor-parallel ranks."""
+    tp = getattr(args, "tensor_parallel_size", None) or 1
+    return int(tp) * int(getattr(args, "pipeline_parallel_size", None) or 1)
+
+
 def assign_gpus(num_engines: int, ids: list[str] | None, per_engine: int = 1) -> list[str | None]:
     """GPUs of each engine, in launch order (prefill instances first, then decode), as its
-    ``CUDA_VISIBLE_DEVICES``: with tensor parallelism (``per_engine`` N > 1) consecutive
-    groups of N ids ("0,1", "2,3", ...), round-robin over the groups; all None when engines
-    are not pinned. LaunchError when ``ids`` cannot give one engine N GPUs."""
+    ``CUDA_VISIBLE_DEVICES``: with tensor and pipeline parallelism (``per_engine`` = P × N
+    > 1) consecutive groups of P × N ids ("0,1", "2,3", ...; stage s's ranks are the s-th
+    N of its group), round-robin over the groups; all None when engines are not pinned.
+    LaunchError when ``ids`` cannot give one engine P × N GPUs."""
     if not ids:
         return [None] * num_engines
     if len(ids) < per_engine:
         raise LaunchError(
-            f"--tensor-parallel-size {per_engine} needs {per_engine} GPUs per engine; "
-            f"--gpus / --gpu-ids give {len(ids)} ({','.join(ids)})"
+            f"--tensor-parallel-size x --pipeline-parallel-size = {per_engine} needs "
+            f"{per_engine} GPUs per engine; --gpus / --gpu-ids give {len(ids)} ({','.join(ids)})"
         )
     groups = [
         ",".join(ids[k : k + per_engine]) for k in range(0, len(ids) - per_engine + 1, per_engine)
@@ -88,3 +95,21 @@ def check_tensor_parallel_size(model_dir: str, size: int) -> None:
         check_tensor_parallel(args, size)
     except ValueError as exc:
         raise LaunchError(f"--tensor-parallel-size {size}: {exc}") from None
+
+
+def check_parallel_sizes(model_dir: str, args: argparse.Namespace) -> None:
+    """``LaunchError`` when the model cannot be split as ``--tensor-parallel-size`` and
+    ``--pipeline-parallel-size`` ask (the engine's rules, said once by ``pdserve up``)."""
+    check_tensor_parallel_size(model_dir, getattr(args, "tensor_parallel_size", None) or 1)
+    size = getattr(args, "pipeline_parallel_size", None) or 1
+    if size <= 1:
+        return
+    from engine.config import EngineConfig
+    from engine.models.config import ModelArgs
+    from engine.models.stages import check_pipeline_parallel
+
+    try:
+        args_ = ModelArgs.from_hf(EngineConfig(model=model_dir).hf_config())
+        check_pipeline_parallel(args_.num_layers, size)
+    except ValueError as exc:
+        raise LaunchError(f"--pipeline-parallel-size {size}: {exc}") from None

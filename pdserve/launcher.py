@@ -26,26 +26,23 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from common.flags import (
-    add_env_argument,
-    fair_thread_share,
-    fraction,
-    non_negative_int,
-    positive_int,
-)
+from common.flags import fair_thread_share
 from common.grpc_tls import FLAGS as TLS_FLAGS
 from common.grpc_tls import TlsFiles
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from common.grpc_token import new_token
-from engine_service.settings import (
-    SPECULATIVE_HELP,
-    add_forwarded_engine_arguments,
-    forward_engine_flags,
-)
+from common.settings import forwarded_words
+from engine_service.settings import forward_engine_flags
 from kv_store.record_mac import ENV as KV_SECRET_ENV
-from pdserve.gpus import assign_gpus, check_tensor_parallel_size, gpu_ids, gpu_share_flags
+from pdserve.gpus import (
+    assign_gpus,
+    check_parallel_sizes,
+    gpu_ids,
+    gpu_share_flags,
+    gpus_per_engine,
+)
+from pdserve.instances import InstanceTable, ServicePorts
 from pdserve.procs import (
     Child,
     Interrupted,
@@ -53,18 +50,27 @@ from pdserve.procs import (
     LaunchError,
     free_ports,
     grpc_probe,
-    http_probe,
+    router_probe,
 )
 from pdserve.supervise import RestartPolicy, Supervisor
-from pdserve.up_store import LMCACHE_DEFAULT_CAPACITY, store_flags
+from pdserve.up_args import add_up_arguments
+from pdserve.up_store import store_flags
 from pdserve.workdir import make_workdir, remove_stale_workdirs
+from router.args import RouterArgs
+from router.tool_flags import check_tool_flags
 
 logger = logging.getLogger(__name__)
 
 
-def _engine_flags(args: argparse.Namespace, model_dir: str, threads: int) -> list[str]:
-    """Flags every engine service gets (the GPU share is added per engine)."""
+def _engine_flags(
+    args: argparse.Namespace, model_dir: str, threads: int, workdir: Path
+) -> list[str]:
+    """Flags every engine service gets (the GPU share is added per engine). The engines
+    share compiled grammars in the run directory unless told another one (a request's
+    prefill and decode then compile its guide once)."""
     flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
+    if not args.guided_cache_dir:
+        flags += ["--guided-cache-dir", str(workdir / "grammars")]
     return flags + forward_engine_flags(args)
 
 
@@ -76,14 +82,15 @@ def build_plan(
     num_engines = args.prefill + args.decode
     threads = args.torch_threads or fair_thread_share(num_engines)
     connector_flags, store = ([], None) if args.mode == "colocated" else store_flags(launcher, args)
-    engine_flags = _engine_flags(args, model_dir, threads)
-    gpus = assign_gpus(num_engines, gpu_ids(args), args.tensor_parallel_size or 1)
+    engine_flags = _engine_flags(args, model_dir, threads, launcher.workdir)
+    gpus = assign_gpus(num_engines, gpu_ids(args), gpus_per_engine(args))
     ports = free_ports(2 * num_engines)
     # mTLS: one certificate for the services and the router (it must name 127.0.0.1, or
     # --grpc-tls-server-name, and allow both TLS server and client use).
     tls = TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)
     tls_flags = _tls_flags(args) if tls is not None else []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    table = InstanceTable(launcher.workdir / "instances.json", tls, args.grpc_tls_server_name)
+    launcher.instances = table
     services: list[Child] = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
@@ -104,21 +111,30 @@ def build_plan(
                 child.env_extra["CUDA_VISIBLE_DEVICES"] = gpu
                 logger.info("%s-%d on GPU %s", role, i, gpu)
             services.append(child)
-            urls[role].append(address)
+            table.add(child.name, ServicePorts(role, port, metrics_port))
+    # The router follows a file rather than fixed lists: a service the supervisor moves
+    # to new ports (its own were taken) is found there (docs/design.md §5, "Supervision").
+    table.write()
     router_argv = launcher.python(
         *["router", "--host", args.host, "--port", str(args.port), "--mode", args.mode],
         *["--model", model_dir, "--served-model-name", args.served_model_name or args.model],
-        *["--prefill-urls", ",".join(urls["prefill"]), "--decode-urls", ",".join(urls["decode"])],
+        *["--discovery", "file", "--instances-file", str(table.path)],
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+        *forwarded_words(RouterArgs.forwarded(), args),  # the tool flags, as given
         *tls_flags,
         *(["--grpc-tls-server-name", args.grpc_tls_server_name] if tls_flags else []),
     )
+    health_url = f"http://{_connect_host(args.host)}:{args.port}/health"
     router = launcher.add(
-        "router", router_argv, http_probe(f"http://{_connect_host(args.host)}:{args.port}/health")
+        "router",
+        router_argv,
+        router_probe(health_url, {"prefill": args.prefill, "decode": args.decode}),
     )
     if args.api_key:  # by environment: argv is visible to every user of the machine (ps)
         router.env_extra["PDSERVE_API_KEY"] = args.api_key
-    token = new_token()  # per run: only this run's router may call its services
+    # Per run: only this run's router may call its services, unless the caller sets one
+    # (a router started beside the run, e.g. a second router, needs the same token).
+    token = os.environ.get(GRPC_TOKEN_ENV) or new_token()
     for child in (*services, router):
         child.env_extra[GRPC_TOKEN_ENV] = token
     # Per run unless the caller sets one (a store shared beyond this run needs the same
@@ -146,6 +162,8 @@ def _check_port_free(host: str, port: int) -> None:
     """Fail fast (and clearly) when the router's port is taken: another server there could
     even answer the health check in the router's place."""
     with socket.socket() as s:
+        # As uvicorn binds: connections of a run that just ended (TIME-WAIT) do not block.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -172,14 +190,15 @@ def run_up(args: argparse.Namespace) -> int:
     remove_stale_workdirs()  # of runs killed with SIGKILL, which could not clean up
     try:
         _check_counts(args)
+        check_tool_flags(args)
         # Misuse of --gpus / --gpu-ids, or too few of them for N, fails before anything starts.
-        assign_gpus(1, gpu_ids(args), args.tensor_parallel_size or 1)
+        assign_gpus(1, gpu_ids(args), gpus_per_engine(args))
         TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)  # so do certs
         _check_port_free(args.host, args.port)
         from common.models import resolve_model
 
         model_dir = resolve_model(args.model)  # a known model is pulled once; Ctrl-C stops it
-        check_tensor_parallel_size(str(model_dir), args.tensor_parallel_size or 1)
+        check_parallel_sizes(str(model_dir), args)
     except (LaunchError, ValueError) as exc:
         _print(f"pdserve up failed: {exc}", err=True)
         return 1
@@ -238,100 +257,10 @@ def _print(line: str, *, err: bool = False) -> None:
     stream.flush()
 
 
-# `pdserve up` flags: (flag, add_env_argument keywords). Each also reads its PDSERVE_* twin.
-_UP_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--model", {"default": "smollm2", "help": "model name or local HF directory"}),
-    ("--prefill", {"type": non_negative_int, "help": "prefill instances (1; 0 when colocated)"}),
-    ("--decode", {"type": positive_int, "default": 1, "help": "decode instances"}),
-    (
-        "--mode",
-        {
-            "default": "disaggregated",
-            "choices": ["disaggregated", "colocated", "auto"],
-            "help": "router mode",
-        },
-    ),
-    (
-        "--connector",
-        {"default": "fs", "choices": ["fs", "redis", "lmcache", "p2p"], "help": "KV handoff"},
-    ),
-    (
-        "--kv-store",
-        {
-            "default": "none",
-            "choices": ["none", "fs", "redis", "lmcache"],
-            "help": "with --connector p2p: a store beside it (prefix reuse, fallback)",
-        },
-    ),
-    ("--p2p-lease-seconds", {"help": "p2p: how long a prefill holds blocks for the pull"}),
-    ("--p2p-timeout", {"help": "p2p: deadline of one pull, seconds"}),
-    ("--kv-path", {"help": "fs store directory (default: a temporary one, removed at exit)"}),
-    ("--redis-url", {"help": "use this Redis instead of starting redis-server"}),
-    ("--lmcache-url", {"help": "use this LMCache server instead of starting lmcache_server"}),
-    (
-        "--kv-capacity",
-        {"help": f"store byte bound, e.g. 4GiB (lmcache: {LMCACHE_DEFAULT_CAPACITY})"},
-    ),
-    ("--kv-ttl", {"help": "seconds a stored block lives"}),
-    ("--host", {"default": "127.0.0.1", "help": "router listen address"}),
-    (
-        "--served-model-name",
-        {"default": "", "help": "the model name clients send (default: --model as given)"},
-    ),
-    (
-        "--api-key",
-        {"default": "", "help": "clients must send 'Authorization: Bearer KEY' (comma: several)"},
-    ),
-    ("--port", {"type": positive_int, "default": 8000, "help": "router port"}),
-    ("--grpc-tls-cert", {"default": "", "help": "mTLS between router and services: certificate"}),
-    ("--grpc-tls-key", {"default": "", "help": "mTLS: the certificate's private key"}),
-    ("--grpc-tls-ca", {"default": "", "help": "mTLS: the CA that signed the certificate"}),
-    (
-        "--grpc-tls-server-name",
-        {"default": "", "help": "mTLS: name to check in the services' certificate"},
-    ),
-    ("--device", {"default": "cpu", "choices": ["cpu", "cuda"], "help": "engine device"}),
-    ("--gpus", {"type": positive_int, "help": "spread engines round-robin over N GPUs"}),
-    ("--gpu-ids", {"help": "spread engines round-robin over these GPUs, e.g. 0,1"}),
-    (
-        "--gpu-memory-utilization",
-        {
-            "type": fraction,
-            "help": "fraction of each GPU for the engines on it together (they split it); "
-            "default 0.9",
-        },
-    ),
-    ("--speculative", {"help": SPECULATIVE_HELP + " (decode instances only)"}),
-    (
-        "--torch-threads",
-        {"type": non_negative_int, "default": 0, "help": "per engine; 0 = cores // engines"},
-    ),
-    (
-        "--startup-timeout",
-        {"type": float, "default": 600.0, "help": "seconds for every part to be healthy"},
-    ),
-    (
-        "--shutdown-grace",
-        {"type": float, "default": 20.0, "help": "seconds children get before SIGKILL"},
-    ),
-    ("--log-dir", {"help": "keep child logs here (default: in the temporary directory)"}),
-    (
-        "--max-restarts",
-        {
-            "type": non_negative_int,
-            "default": 5,
-            "help": "restarts of one child within 60 s before pdserve up gives up; 0 = none",
-        },
-    ),
-)
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `pdserve up`; each flag also reads its ``PDSERVE_*`` twin (``--port`` ← PDSERVE_PORT)."""
     parser = subparsers.add_parser(
         "up", help="run router + prefill + decode services locally", description=__doc__
     )
-    for flag, options in _UP_FLAGS:
-        add_env_argument(parser, flag, **options)
-    add_forwarded_engine_arguments(parser)
+    add_up_arguments(parser)  # declared once, in pdserve/up_args.py
     parser.set_defaults(func=run_up)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import random
@@ -50,6 +51,9 @@ class Child:
     probe: Probe
     proc: subprocess.Popen[bytes] | None = None
     env_extra: dict[str, str] = field(default_factory=dict)  # e.g. this engine's GPU
+    # Stricter than ``probe`` for the first start only (the router: it also sees every
+    # service); later the supervisor asks ``probe``, as a given-up service may stay gone.
+    startup_probe: Probe | None = None
 
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:
@@ -178,6 +182,27 @@ def http_probe(url: str) -> Probe:
     return probe
 
 
+def router_probe(url: str, expected: dict[str, int]) -> Probe:
+    """The router's ``/health`` is 200 and it sees at least ``expected[pool]`` healthy
+    instances in each pool. Its own health check of a service lags the service's start;
+    without this wait, `up` said ready while the router still routed around a pool it had
+    not yet probed (a request then ran in degraded mode, docs/design.md §5)."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - loopback URL we built
+                if reply.status != 200:
+                    return False
+                body = json.loads(reply.read())
+        except (OSError, ValueError):
+            return False
+        return all(
+            int(body.get(pool, {}).get("healthy", 0)) >= count for pool, count in expected.items()
+        )
+
+    return probe
+
+
 def tcp_probe(port: int, send: bytes = b"", expect: bytes = b"") -> Probe:
     def probe() -> bool:
         try:
@@ -202,6 +227,8 @@ class Launcher:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     stop_requested: threading.Event = field(default_factory=threading.Event)
+    # The services' ports and the router's instances file (``pdserve.instances``).
+    instances: Any = None
 
     def python(self, *argv: str) -> list[str]:
         return [
@@ -249,7 +276,7 @@ class Launcher:
                         f"{child.name} exited with status {status} during startup; "
                         f"last lines of {child.log_path}:\n{child.log_tail()}"
                     )
-                if child.probe():
+                if (child.startup_probe or child.probe)():
                     logger.info("%s is healthy", child.name)
                     pending.remove(child)
             if pending and time.monotonic() > deadline:

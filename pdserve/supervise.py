@@ -5,19 +5,26 @@ lmcache_server) that exits after startup is started again with the same argv, so
 same ports with the same flags, after a backoff that doubles with each recent restart of
 that child (0.5 s, 1 s, 2 s ... capped at 10 s). Meanwhile the router keeps serving through
 the other instances: it takes the dead one out after the failed call and puts it back once
-its health check passes again. A child that needs more than ``max_restarts`` restarts
-within ``window_s`` seconds is in a crash loop: everything stops and `pdserve up` exits 1
-with a message naming it and the tail of its log. ``max_restarts = 0`` turns restarts off
-(a child that dies stops everything, as before supervision existed).
+its health check passes again. A service whose gRPC or metrics port another process holds
+when it is due to restart is moved to new ports first, and the router, which follows the
+run's instances file, learns the new address (``pdserve/instances.py``). A child that needs
+more than ``max_restarts`` restarts within ``window_s`` seconds is in a crash loop: a
+prefill or decode service in a crash loop is stopped for good (state ``failed``; the router
+reports it unhealthy in ``/health`` and ``pdserve_instance_healthy``) while the others keep
+serving (docs/design.md §5); the router, the private store, or the last live service in a
+crash loop stops everything and `pdserve up` exits 1 with a message naming it and the tail
+of its log. ``max_restarts = 0`` turns restarts off (a child that dies stops everything, as
+before supervision existed).
 
 Every restart is a line in `pdserve up`'s output, a marker line in the child's log, and a
 count in ``status.json`` in the run's directory (rewritten atomically on every change)::
 
     {"pid": 1234, "children": [{"name": "decode-0", "pid": 5678, "state": "running",
-      "restarts": 1, "last_exit": -9}, ...]}
+      "restarts": 1, "last_exit": -9, "address": "127.0.0.1:40123"}, ...]}
 
 ``state`` is ``running`` (healthy since its last start), ``starting`` (restarted, health
-check not yet passed) or ``waiting`` (dead, restart pending). Torch-free.
+check not yet passed), ``waiting`` (dead, restart pending) or ``failed`` (a service given
+up after a crash loop). Torch-free.
 """
 
 from __future__ import annotations
@@ -66,9 +73,12 @@ class _Watch:
     restart_at: float | None = None  # a restart is pending at this monotonic time
     last_exit: int | None = None
     healthy: bool = True
+    failed: bool = False  # given up after a crash loop; never restarted again
 
     @property
     def state(self) -> str:
+        if self.failed:
+            return "failed"
         if self.restart_at is not None:
             return "waiting"
         return "running" if self.healthy else "starting"
@@ -108,6 +118,8 @@ class Supervisor:
 
     def _step(self, watch: _Watch, now: float) -> None:
         child = watch.child
+        if watch.failed:
+            return
         if watch.restart_at is not None:
             if now >= watch.restart_at:
                 self._restart(watch, now)
@@ -135,6 +147,8 @@ class Supervisor:
                 f"last lines of {child.log_path}:\n{child.log_tail()}"
             )
         if len(watch.recent) >= policy.max_restarts:
+            if self._give_up(watch, status):
+                return
             self.write_status()
             raise CrashLoop(
                 f"{child.name} is crash-looping: it exited with status {status} after "
@@ -151,13 +165,42 @@ class Supervisor:
         )
         self.write_status()
 
+    def _give_up(self, watch: _Watch, status: int) -> bool:
+        """Stop restarting a crash-looping service while another service lives; False
+        when the child is the router or the store, or the last service (all must stop)."""
+        table = self.launcher.instances
+        if table is None or not table.knows(watch.child):
+            return False
+        others = [
+            w for w in self.watches if w is not watch and not w.failed and table.knows(w.child)
+        ]
+        if not others:
+            return False
+        watch.failed = True
+        watch.healthy = False
+        self.report(
+            f"pdserve: {watch.child.name} is crash-looping (exit status {status}, "
+            f"{len(watch.recent)} restarts within {self.policy.window_s:.0f} s); it stays "
+            f"stopped and the others keep serving. Last lines of {watch.child.log_path}:\n"
+            f"{watch.child.log_tail(10)}"
+        )
+        self.write_status()
+        return True
+
     def _restart(self, watch: _Watch, now: float) -> None:
         child = watch.child
         watch.restart_at = None
         watch.restarts += 1
         watch.recent.append(now)
+        table = self.launcher.instances
+        moved = ""
+        if table is not None and table.knows(child) and table.blocked(child):
+            moved = table.move(child)
+            self.report(f"pdserve: {child.name}'s port is taken; moving it to {moved}")
         with open(child.log_path, "a") as log:
             log.write(f"\n--- pdserve up: restart {watch.restarts} of {child.name} ---\n")
+            if moved:
+                log.write(f"--- its port was taken: now on {moved} ---\n")
         try:
             child.start(self.env)
         except OSError as exc:  # e.g. the binary vanished: counts like an immediate exit
@@ -170,6 +213,7 @@ class Supervisor:
 
     def write_status(self) -> None:
         """Write ``status.json`` atomically (temp file + rename): readers never see half."""
+        table = self.launcher.instances
         children = [
             {
                 "name": w.child.name,
@@ -177,6 +221,11 @@ class Supervisor:
                 "state": w.state,
                 "restarts": w.restarts,
                 "last_exit": w.last_exit,
+                **(
+                    {"address": table.address_of(w.child)}
+                    if table is not None and table.knows(w.child)
+                    else {}
+                ),
             }
             for w in self.watches
         ]

@@ -14,9 +14,10 @@ from typing import Any
 import grpc.aio
 
 from engine_service.core import EngineServiceCore
+from engine_service.decode_servicer import DecodeServicer
 from engine_service.runtime import run_service
 from engine_service.settings import add_service_arguments
-from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
 from prefill_service.servicer import PrefillServicer
 
 
@@ -29,9 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(server: grpc.aio.Server, core: EngineServiceCore, connector: Any) -> list[str]:
+    """PrefillService, and DecodeService over the same engine: with no healthy decode
+    instance the router has a prefill instance serve whole requests (docs/design.md §5,
+    "Degrade, never drop")."""
     name = getattr(connector, "name", "none") if connector is not None else "none"
     pdserve_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(core, name), server)
-    return [pdserve_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
+    pdserve_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(core), server)
+    services = pdserve_pb2.DESCRIPTOR.services_by_name
+    return [services["PrefillService"].full_name, services["DecodeService"].full_name]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ import grpc.aio
 
 from common.grpc_tls import peer_identity
 from engine.client import GenerateRequest
+from engine.lora.request import SLOT_TIMEOUT_ERROR
+from engine.sampling.guided import GUIDE_REFUSED
 from engine_service.convert import (
     kv_handle,
     logprobs_to_proto,
@@ -25,13 +27,17 @@ from engine_service.convert import (
     sampling_params_from_proto,
     token_ids,
 )
-from engine_service.core import EngineServiceCore
-from engine_service.errors import KVSaveFailed
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from engine_service.core import (
+    EngineServiceCore,
+    lora_identity,
+)
+from engine_service.errors import KVSaveFailed, LoRASlotBusy
+from engine_service.shared_rpcs import SharedRpcs
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
+class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):
     """gRPC handlers over an ``EngineServiceCore``; ``connector_name`` goes into handles."""
 
     def __init__(self, core: EngineServiceCore, connector_name: str) -> None:
@@ -50,9 +56,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first_at: float | None = None
         last: Any = None
         committed = False
-        new = GenerateRequest(request_id, prompt, params, save_kv=True, priority=request.priority)
+        new = GenerateRequest(
+            request_id,
+            prompt,
+            params,
+            save_kv=True,
+            priority=request.priority,
+            lora_name=request.lora_name or None,
+        )
         async for out in core.run(new, owner=peer_identity(context)):
             last = out
+            if out.error and out.error.startswith(GUIDE_REFUSED):
+                raise ValueError(out.error)  # INVALID_ARGUMENT: the guide is over budget
+            if out.error == SLOT_TIMEOUT_ERROR:  # waited past its deadline for a LoRA slot
+                raise LoRASlotBusy(f"request {request_id}: {out.error}")
             if out.new_token_ids and first_at is None:
                 first_at = time.monotonic()
                 yield pb.PrefillEvent(
@@ -72,10 +89,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                     kv_save_s=saved.seconds,
                 )
                 core.metrics.observe_timings(timings)
-                yield pb.PrefillEvent(
-                    kv_committed=kv_handle(core.engine, saved, self._connector_name),
-                    timings=timings,
-                )
+                handle = kv_handle(core.engine, saved, self._connector_name)
+                # What the decode side checks against its own copy (docs/design.md §3 "LoRA").
+                handle.lora_identity = lora_identity(core.engine, request.lora_name)
+                yield pb.PrefillEvent(kv_committed=handle, timings=timings)
                 committed = True  # the last output; the engine's stream ends right after
         if committed:
             return
@@ -96,14 +113,5 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             num_cached_tokens=out.num_cached_tokens,
             finished=stopped,
             finish_reason="stop" if stopped else "",
+            prompt_logprobs=logprobs_to_proto(out.prompt_logprobs),
         )
-
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
-        return await self._core.Abort(request, context)
-
-    async def GetLoad(
-        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoadInfo:
-        return await self._core.GetLoad(request, context)

@@ -6,6 +6,7 @@ builds it for ``pdserve router``. Everything lives on ``app.state`` — no modul
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -20,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.errors import APIError, error_body, install_error_handlers
 from router.estimator import AutoEstimator
 from router.handlers import Deps, handle_generation
+from router.lora import adapter_cards
+from router.lora_admin import add_lora_admin_routes
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.pool import InstancePool
@@ -42,7 +45,8 @@ def key_matches(header: bytes, keys: list[bytes]) -> bool:
 
 
 class GuardMiddleware:
-    """API keys (Bearer, 401) and the body-size limit (413), before parsing.
+    """API keys (Bearer, 401), the body-size limit (413) and the body-read deadline (408),
+    before parsing.
 
     With keys set, every path needs one except ``/health`` (probes cannot send one; it then
     tells unauthenticated callers no more than probes need) and ``/metrics`` when
@@ -60,8 +64,10 @@ class GuardMiddleware:
         max_body_bytes: int,
         metrics: RouterMetrics,
         public_metrics: bool = False,
+        body_read_timeout: float = 30.0,
     ) -> None:
         self.app = app
+        self.body_read_timeout = body_read_timeout
         self.metrics = metrics
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
@@ -91,24 +97,46 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await self._too_large(send)
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH") and length is None:
-            # No length (chunked): read it bounded, then replay it.
-            chunks: list[bytes] = []
-            size = 0
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    break
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    await self._too_large(send)
-                    return
-                chunks.append(chunk)
-                more = message.get("more_body", False)
-            receive = _replay(b"".join(chunks), receive)
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Read the whole body here, bounded in size (chunked bodies have no length) and
+            # in time (a client trickling it would hold a slot forever), then replay it.
+            try:
+                raw = await asyncio.wait_for(self._read_body(receive), self.body_read_timeout)
+            except asyncio.TimeoutError:
+                await self._too_slow(send)
+                return
+            if raw is None:
+                await self._too_large(send)
+                return
+            receive = _replay(raw, receive)
         await self._guarded(scope, receive, send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The body (what arrived before a disconnect), or None once it passes the limit."""
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    async def _too_slow(self, send: Send) -> None:
+        self.metrics.requests.labels("invalid").inc()
+        body = error_body(
+            f"the request body did not arrive within {self.body_read_timeout:g} s",
+            "invalid_request_error",
+            None,
+            "request_timeout",
+        )
+        await _send_json(send, 408, body, {"connection": "close"})
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the app; a bug before the response started is answered 500 here. Left to
@@ -189,7 +217,13 @@ def create_app(
         block_size=processor.block_size,
         estimator=estimator or AutoEstimator(),
     )
-    deps = Deps(settings, processor, Orchestrator(leg, settings.mode), metrics)
+    deps = Deps(
+        settings,
+        processor,
+        Orchestrator(leg, settings.mode, decode_first=settings.decode_first),
+        metrics,
+        asyncio.Semaphore(settings.preprocess_concurrency),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -212,8 +246,10 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
         public_metrics=settings.public_metrics,
+        body_read_timeout=settings.body_read_timeout,
     )
     _add_routes(app, deps)
+    add_lora_admin_routes(app, deps)
     add_tokenize_routes(app, processor, deps.settings.served_model_names)
     return app
 
@@ -240,11 +276,14 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
     async def list_models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [model_card(name) for name in deps.settings.served_model_names],
+            "data": [model_card(name) for name in deps.settings.served_model_names]
+            + adapter_cards(deps.adapters(), deps.model_name, deps.processor.shape.max_model_len),
         }
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
+        if model in deps.adapters():
+            return adapter_cards([model], deps.model_name, deps.processor.shape.max_model_len)[0]
         if model not in deps.settings.served_model_names:
             raise APIError(
                 404, f"the model {model!r} does not exist", param="model", code="model_not_found"

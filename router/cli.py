@@ -1,7 +1,8 @@
 """``pdserve router``: flags (each with a ``PDSERVE_*`` env twin) and the process entry.
 
-``add_router_arguments(parser)`` adds the flags; ``run_router(args)`` builds the tokenizer,
-discovery, pools and app, and serves until SIGINT/SIGTERM. Torch-free.
+``add_router_arguments(parser)`` adds the flags (declared once, in ``router/args.py``);
+``run_router(args)`` builds the tokenizer, discovery, pools and app, and serves until
+SIGINT/SIGTERM. Torch-free.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ import logging
 import os
 from typing import Any
 
-from common.flags import add_env_argument, add_env_switch, non_negative_int, positive_int
-from common.grpc_tls import TlsFiles, add_tls_arguments
+from common.grpc_tls import TlsFiles
+from router.args import RouterArgs
 from router.discovery import (
     DnsDiscovery,
     EndpointSliceDiscovery,
     InstanceDiscovery,
     StaticDiscovery,
 )
+from router.discovery_file import FileDiscovery
+from router.http_deadline import header_deadline_protocol
+from router.kv_index import TierWeights
 from router.metrics import RouterMetrics
-from router.policies import POLICY_NAMES
 from router.pool import InstancePool
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
@@ -34,190 +37,9 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _optional_positive_int(text: str) -> int | None:
-    if text.strip().lower() in {"", "none", "0"}:
-        return None
-    return positive_int(text)
-
-
 def add_router_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """Every router flag; defaults come from ``PDSERVE_<FLAG>`` when set."""
-    g = parser.add_argument_group("router")
-    add_env_argument(g, "--host", default="127.0.0.1", help="HTTP listen address")
-    add_env_argument(g, "--port", type=non_negative_int, default=8000, help="HTTP port")
-    add_env_argument(
-        g,
-        "--model",
-        default="smollm2",
-        help="model name (see `pdserve models`) or local HF directory (tokenizer + config)",
-    )
-    add_env_argument(
-        g,
-        "--served-model-name",
-        default="",
-        help="name(s) clients use as `model`, comma-separated; default: the --model value",
-    )
-    add_env_argument(
-        g,
-        "--mode",
-        default="disaggregated",
-        choices=["disaggregated", "colocated", "auto"],
-        help="prefill placement",
-    )
-    add_env_argument(g, "--prefill-urls", default="", help="static prefill instances host:port,...")
-    add_env_argument(g, "--decode-urls", default="", help="static decode instances host:port,...")
-    add_env_argument(
-        g,
-        "--discovery",
-        default="static",
-        choices=["static", "k8s", "dns"],
-        help="where instances come from",
-    )
-    add_env_argument(
-        g, "--prefill-service", default="", help="k8s/dns: the prefill (headless) Service name"
-    )
-    add_env_argument(
-        g, "--decode-service", default="", help="k8s/dns: the decode (headless) Service name"
-    )
-    add_env_argument(g, "--namespace", default="default", help="k8s: namespace of the Services")
-    add_env_argument(
-        g,
-        "--service-port",
-        type=non_negative_int,
-        default=0,
-        help="k8s/dns: gRPC port of both pools; 0 = 50051 prefill, 50052 decode",
-    )
-    add_env_argument(
-        g,
-        "--k8s-api-url",
-        default="",
-        help="k8s: API URL (default: in-cluster config, else kubeconfig)",
-    )
-    add_env_argument(
-        g,
-        "--prefill-policy",
-        default="least_load",
-        choices=list(POLICY_NAMES),
-        help="prefill routing policy",
-    )
-    add_env_argument(
-        g,
-        "--decode-policy",
-        default="least_load",
-        choices=list(POLICY_NAMES),
-        help="decode routing policy",
-    )
-    add_env_argument(
-        g,
-        "--api-key",
-        default="",
-        help="require 'Authorization: Bearer KEY' on every path but /health "
-        "(comma-separated for several keys)",
-    )
-    add_env_argument(
-        g,
-        "--grpc-token",
-        default="",
-        help="send 'authorization: Bearer TOKEN' on every gRPC call (the services' "
-        "--grpc-token; prefer the environment twin)",
-    )
-    add_tls_arguments(g, server=False)
-    add_env_switch(
-        g,
-        "--public-metrics",
-        help="serve /metrics without the API key (for scrapers that cannot send one)",
-    )
-    add_env_argument(
-        g,
-        "--max-prompt-tokens",
-        type=_optional_positive_int,
-        default=None,
-        help="longest prompt accepted (400 beyond); default: model context",
-    )
-    add_env_argument(
-        g,
-        "--max-model-len",
-        type=_optional_positive_int,
-        default=None,
-        help="context length (prompt + output); default: from config.json",
-    )
-    add_env_argument(
-        g,
-        "--max-body-bytes",
-        type=positive_int,
-        default=4 * 1024 * 1024,
-        help="largest request body (413 beyond)",
-    )
-    add_env_argument(
-        g,
-        "--request-timeout",
-        type=_positive_float,
-        default=600.0,
-        help="seconds a request may take end to end",
-    )
-    add_env_argument(
-        g,
-        "--prefill-timeout",
-        type=_positive_float,
-        default=60.0,
-        help="deadline of one Prefill call",
-    )
-    add_env_argument(
-        g,
-        "--prefill-retries",
-        type=non_negative_int,
-        default=2,
-        help="extra prefill attempts on other instances",
-    )
-    add_env_argument(
-        g,
-        "--decode-failovers",
-        type=non_negative_int,
-        default=3,
-        help="times a stream may resume on another decode instance",
-    )
-    add_env_argument(
-        g,
-        "--stream-idle-timeout",
-        type=_positive_float,
-        default=30.0,
-        help="seconds a decode stream may go without a chunk before it resumes elsewhere",
-    )
-    add_env_argument(
-        g,
-        "--health-interval",
-        type=_positive_float,
-        default=2.0,
-        help="seconds between health checks",
-    )
-    add_env_argument(
-        g,
-        "--health-timeout",
-        type=_positive_float,
-        default=1.0,
-        help="deadline of one health check / GetLoad",
-    )
-    add_env_argument(
-        g,
-        "--max-concurrent-requests",
-        type=non_negative_int,
-        default=0,
-        help="429 beyond this many in-flight requests; 0 = no limit",
-    )
-    add_env_argument(
-        g,
-        "--block-size",
-        type=positive_int,
-        default=16,
-        help="KV block size of the engines (prefix hashing)",
-    )
+    """Every router flag (``router.args.RouterArgs``); defaults come from ``PDSERVE_<FLAG>``."""
+    RouterArgs.add_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
@@ -235,6 +57,16 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         decode_failovers=args.decode_failovers,
         stream_idle_timeout=args.stream_idle_timeout,
         max_concurrent_requests=args.max_concurrent_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser or None,
+        max_batch_prompts=args.max_batch_prompts,
+        max_chat_messages=args.max_chat_messages,
+        body_read_timeout=args.body_read_timeout,
+        header_read_timeout=args.header_read_timeout,
+        max_connections=args.max_connections,
+        preprocess_concurrency=args.preprocess_concurrency,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        decode_first=args.decode_first == "full",
     )
 
 
@@ -242,6 +74,13 @@ def make_discovery(args: argparse.Namespace, role: str) -> InstanceDiscovery:
     """The instance source of pool ``role`` ("prefill" or "decode") per ``--discovery``."""
     if args.discovery == "static":
         return StaticDiscovery(getattr(args, f"{role}_urls"))
+    if args.discovery == "file":
+        if not args.instances_file:
+            raise SystemExit("pdserve router: --discovery file needs --instances-file")
+        try:
+            return FileDiscovery(args.instances_file, role)
+        except ValueError as exc:
+            raise SystemExit(f"pdserve router: {exc}") from None
     service = getattr(args, f"{role}_service")
     if not service:
         raise SystemExit(f"pdserve router: --discovery {args.discovery} needs --{role}-service")
@@ -268,6 +107,9 @@ def build_app(args: argparse.Namespace) -> Any:
     if args.grpc_tls_server_name and tls is None:
         raise ValueError("--grpc-tls-server-name needs mTLS (--grpc-tls-cert/-key/-ca)")
     metrics = RouterMetrics()
+    weights = TierWeights(
+        args.prefix_weight_device, args.prefix_weight_host, args.prefix_weight_store
+    )
     pools = [
         InstancePool(
             role,
@@ -279,6 +121,11 @@ def build_app(args: argparse.Namespace) -> Any:
             grpc_token=args.grpc_token,
             tls=tls,
             tls_server_name=args.grpc_tls_server_name,
+            kv_events=args.prefix_index == "events",
+            kv_index_max_entries=args.kv_index_max_entries,
+            kv_pending_window=args.kv_pending_window,
+            tier_weights=weights,
+            prefix_load_weight=args.prefix_load_weight,
         )
         for role in ("prefill", "decode")
     ]
@@ -301,6 +148,11 @@ def run_router(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=10,
         access_log=False,
+        # Bounded connections (docs/router.md "Input limits"): idle keep-alive 5 s, at most
+        # --max-connections (503 beyond), headers within --header-read-timeout.
+        timeout_keep_alive=5,
+        limit_concurrency=args.max_connections,
+        http=header_deadline_protocol(args.header_read_timeout),
     )
     uvicorn.Server(config).run()
     return 0

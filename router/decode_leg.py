@@ -7,7 +7,9 @@ received so far as ``generated_token_ids``; so does a stream whose instance hang
 ``--stream-idle-timeout``); the KvHandle stays valid and the engine's
 per-position seeded sampler draws exactly what the lost instance would have, so the client
 sees each token exactly once. When the consumer leaves (client disconnect) the call is
-cancelled and ``Abort`` sent.
+cancelled, which aborts the request there; an ``Abort`` RPC follows only for a stream the
+watch gave up on (a hung instance may miss the cancellation). One RPC per cancelled stream
+made an abort storm twice as many calls for the instance as the streams themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.v1 import pdserve_pb2
+from pdserve_api.v1 import pdserve_pb2
 from router.errors import APIError
 from router.policies import RouteContext
 from router.pool import Instance
@@ -28,6 +30,7 @@ from router.resume_text import ResumedText
 from router.rpc import (
     LegContext,
     StreamBroken,
+    busy,
     deadline_for,
     describe,
     fatal_error,
@@ -53,6 +56,8 @@ class _Choice:
     emitted: str  # every character the client has seen of this choice
     resumed: ResumedText | None = None  # router-side text, from the first failover on
     tried: set[str] = field(default_factory=set)
+    busy: set[str] = field(default_factory=set)  # instances that answered RESOURCE_EXHAUSTED
+    busy_error: str = ""
     failovers: int = 0
     first_chunk: bool = True
 
@@ -63,6 +68,7 @@ class _Choice:
             generated_token_ids=self.tokens,
             params=sampling_proto(self.job, self.index),
             kv_handle=self.handle,
+            lora_name=self.job.lora_name or "",
         )
 
     def start_router_text(self) -> None:
@@ -101,7 +107,13 @@ class _Choice:
             return
         self.failovers += 1
         _check_resumable(leg, self.job, exc, inst, self.failovers)
-        leg.decode_pool.mark_failed(inst, describe(exc))
+        if busy(exc):  # healthy but full: another instance may take it, this one stays in
+            self.busy.add(inst.url)
+            self.busy_error = describe(exc)
+        else:
+            (leg.decode_pool if inst.pool == "decode" else leg.prefill_pool).mark_failed(
+                inst, describe(exc)
+            )
         self.tried.add(inst.url)
         self.start_router_text()
         leg.metrics.decode_failovers.inc()
@@ -130,7 +142,7 @@ async def decode_deltas(
     was ``initial_text``. ``router_text``: derive the text from token ids from the start
     (otherwise only after a failover).
     """
-    ctx = RouteContext(job.block_hashes, job.user)
+    ctx = RouteContext(job.block_hashes, job.user, job.lora_name, pin=job.decode_pin)
     choice = _Choice(leg, job, trace, index, list(generated), handle, initial_text)
     if router_text:
         choice.start_router_text()
@@ -141,22 +153,26 @@ async def decode_deltas(
             text = choice.resumed.feed([], True)[0] if choice.resumed is not None else ""
             yield Delta(index, [], text, None, "length")
             return
-        pool = leg.decode_pool
-        inst = pool.select(ctx, exclude=choice.tried) or (
-            pool.select(ctx) if choice.tried else None
-        )
-        if inst is None:
+        picked = _pick_instance(choice, ctx)
+        if picked is None and choice.busy:
             raise APIError(
                 503,
-                "no healthy decode instance is available; retry later",
+                f"every instance able to serve this request is busy ({choice.busy_error}); "
+                "retry later",
+                code="instances_busy",
+            )
+        if picked is None:
+            raise APIError(
+                503,
+                "no healthy decode or prefill instance is available; retry later",
                 code="decode_unavailable",
             )
+        inst, stub = picked
         trace.decode_instances.append(inst.url)
+        trace.note_route(inst.pool, inst.url, ctx.note, len(job.block_hashes))
         rid = f"{job.request_id}-{index}" + (f"-r{choice.failovers}" if choice.failovers else "")
-        call = inst.stub.Decode(
-            choice.request(rid), timeout=deadline_for(job), metadata=inst.metadata
-        )
-        done = False
+        call = stub.Decode(choice.request(rid), timeout=deadline_for(job), metadata=inst.metadata)
+        done = stalled = False
         inst.inflight += 1
         try:
             async with StreamWatch(call, inst, leg.stream_idle_timeout) as watch:
@@ -173,12 +189,17 @@ async def decode_deltas(
                             done = chunk.finished  # else we stop it (router-side stop)
                             return
                 except asyncio.CancelledError:
-                    if not watch.stalled():
+                    reason = watch.broken()
+                    if reason is None:
                         raise  # the reader itself is cancelled (client gone)
-                    # Hung instance: resume elsewhere; ``done`` stays False so Abort is sent
-                    # (a paused instance that comes back must not keep generating).
-                    leg.metrics.decode_stalls.labels(watch.kind).inc()
-                    choice.on_failure(StreamBroken(watch.reason or "stalled"), inst, rid)
+                    if watch.kind:
+                        # Hung instance: resume elsewhere; ``done`` stays False so Abort is
+                        # sent (a paused instance that comes back must not keep generating).
+                        stalled = True
+                        leg.metrics.decode_stalls.labels(watch.kind).inc()
+                    else:
+                        done = True  # its channel is closed: nothing left to cancel there
+                    choice.on_failure(StreamBroken(reason), inst, rid)
                     continue
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
@@ -187,8 +208,30 @@ async def decode_deltas(
         finally:
             inst.inflight -= 1
             if not done:
-                call.cancel()
-                leg.abort_later(inst, rid)
+                call.cancel()  # the instance sees the cancellation and aborts the request
+                if stalled:  # a hung instance may not: tell it again once it answers
+                    leg.abort_later(inst, rid)
+
+
+def _pick_instance(choice: _Choice, ctx: RouteContext) -> tuple[Instance, Any] | None:
+    """The instance (and its DecodeService stub) for the choice's next ``Decode`` call: a
+    decode instance not tried yet, else a tried one that is healthy again, else — no decode
+    instance is healthy — a prefill instance, which serves the whole choice itself (docs/
+    design.md §5, "Degrade, never drop"; counted as ``no_decode``)."""
+    for pool in (choice.leg.decode_pool, choice.leg.prefill_pool):
+        inst = pool.select(ctx, exclude=choice.tried) or (
+            pool.select(ctx, exclude=choice.busy) if choice.tried else None
+        )
+        if inst is None:
+            continue
+        if inst.pool == "decode":
+            return inst, inst.stub
+        choice.leg.metrics.pool_fallbacks.labels("no_decode").inc()
+        # Its own prefix cache likely holds the prompt; a handle would make it pull from
+        # itself (p2p) or the store for nothing.
+        choice.handle = None
+        return inst, inst.decode_stub
+    return None
 
 
 def _delta(
@@ -206,7 +249,8 @@ def _delta(
     if not (chunk.token_ids or text or finish):
         return None
     lps = logprobs_of(chunk.logprobs) if job.params.logprobs is not None else None
-    return Delta(index, list(chunk.token_ids), text, lps, finish)
+    prompt_lps = logprobs_of(chunk.prompt_logprobs) or None  # colocated: this decode's own
+    return Delta(index, list(chunk.token_ids), text, lps, finish, prompt_lps)
 
 
 def _refused_handle(exc: BaseException, handle: pdserve_pb2.KvHandle | None) -> bool:

@@ -33,6 +33,9 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = 1  # the Retry-After of every 503
+
+
 class ErrorResponse(JSONResponse):
     """A JSON response with non-ASCII escaped: an error message may quote client text,
     and text that is not valid Unicode (a lone surrogate) would fail UTF-8 encoding."""
@@ -102,7 +105,10 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None] | None =
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return ErrorResponse(exc.body(), status_code=exc.status)
+        # Every 503 is "try again soon" (no instance, instances busy, a LoRA slot not free
+        # in time): say when, as HTTP clients and the openai client's retries read it.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -12,24 +12,28 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from router.admission import check_fits, check_prompt, prompts_of
 from router.errors import APIError, bad_request
+from router.lora import routing_root, served_adapters
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, merge_streams
 from router.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
+    candidates,
     chat_params,
     completion_params,
 )
 from router.responses import DONE, Formatter, Usage, sse
 from router.settings import RouterSettings
-from router.tokenizer import ChatTemplateError, PromptProcessor
+from router.tokenizer import PromptProcessor
+from router.tool_parsers import ToolParser
+from router.tool_request import request_parser
 from router.trace import Delta, Job, Trace
 
 logger = logging.getLogger(__name__)
@@ -57,90 +61,30 @@ class Deps:
     processor: PromptProcessor
     orchestrator: Orchestrator
     metrics: RouterMetrics
+    # Bounds the requests templated/tokenized on worker threads at once (``_prompts_of``).
+    preprocess: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
     active: int = 0
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
 
-
-def chat_text(
-    processor: PromptProcessor,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-) -> str:
-    """The conversation through the model's chat template; 400 when the template fails."""
-    try:
-        return processor.render_chat(
-            [m.template_dict() for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from exc
+    def adapters(self) -> set[str]:
+        """LoRA adapters the healthy instances serve (router/lora.py)."""
+        orch = self.orchestrator
+        return served_adapters([*orch.prefill_pool.instances(), *orch.decode_pool.instances()])
 
 
-async def _prompts_of(
+async def _admit(
     deps: Deps, req: CompletionRequest | ChatCompletionRequest
-) -> list[list[int]]:
-    """Token ids of each prompt (chat: exactly one)."""
-    proc = deps.processor
-    if isinstance(req, ChatCompletionRequest):
-        text = chat_text(proc, req.messages, req.add_generation_prompt, req.continue_final_message)
-        return [await proc.encode_async(text, add_special_tokens=False)]
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [await proc.encode_async(prompt)]
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    if len(prompt) > deps.settings.max_batch_prompts:
-        raise bad_request(
-            f"at most {deps.settings.max_batch_prompts} prompts per request, got {len(prompt)}",
-            "prompt",
-        )
-    return [await proc.encode_async(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
-
-
-def _check_prompt(deps: Deps, ids: list[int], max_tokens: int | None) -> int:
-    """Validate one prompt's length; return the max_tokens it may use."""
-    shape = deps.processor.shape
-    limit = deps.settings.max_prompt_tokens or shape.max_model_len
-    if not ids:
-        raise bad_request("the prompt is empty after tokenization", "prompt")
-    if shape.vocab_size and max(ids) >= shape.vocab_size:
-        raise bad_request(
-            f"prompt token id {max(ids)} is outside the vocabulary (size {shape.vocab_size})",
-            "prompt",
-        )
-    if len(ids) > limit:
-        raise bad_request(f"prompt has {len(ids)} tokens; the limit is {limit}", "prompt")
-    room = shape.max_model_len - len(ids)
-    if room < 1:
-        raise bad_request(
-            f"prompt has {len(ids)} tokens, leaving no room in the {shape.max_model_len}-token context",
-            "prompt",
-        )
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise bad_request(
-            f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the model's context of {shape.max_model_len}",
-            "max_tokens",
-        )
-    return max_tokens
-
-
-async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> list[Job]:
-    """Validate and tokenize; the jobs to run (one per prompt). Raises APIError (4xx/503)."""
-    if req.model not in deps.settings.served_model_names:
-        raise APIError(
-            404,
-            f"the model {req.model!r} does not exist; this server serves {deps.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+) -> tuple[list[Job], ToolParser | None]:
+    """Validate and tokenize; the jobs to run (one per prompt) and the tool-call parser.
+    Raises APIError (4xx/503)."""
+    lora_name = _lora_of(deps, req.model)
+    parser = request_parser(req, deps.settings) if isinstance(req, ChatCompletionRequest) else None
     params = chat_params(req) if isinstance(req, ChatCompletionRequest) else completion_params(req)
+    if parser is not None and not parser.skip_special_tokens:
+        params.skip_special_tokens = False  # its markers are special tokens
     vocab = deps.processor.shape.vocab_size
     if vocab and any(t >= vocab for t in params.stop_token_ids):
         raise bad_request(
@@ -153,14 +97,15 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
             f"logit_bias: token {max(params.logit_bias)} is outside the vocabulary (size {vocab})",
             "logit_bias",
         )
-    prompts = await _prompts_of(deps, req)
-    limits = [_check_prompt(deps, ids, params.max_tokens) for ids in prompts]
+    prompts = await prompts_of(deps, req)
+    limits = [check_prompt(deps, ids, params.max_tokens) for ids in prompts]
     if params.min_tokens > min(limits):
         raise bad_request(
             f"min_tokens={params.min_tokens} is more than max_tokens={min(limits)} allows",
             "min_tokens",
         )
     deps.orchestrator.check_available()
+    check_fits(deps, prompts, limits)
     limit = deps.settings.max_concurrent_requests
     if limit and deps.active >= limit:
         raise APIError(
@@ -170,36 +115,63 @@ async def _admit(deps: Deps, req: CompletionRequest | ChatCompletionRequest) -> 
         "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
     ) + uuid.uuid4().hex
     deadline = time.monotonic() + deps.settings.request_timeout
-    return [
+    jobs = [
         Job(
             f"{request_id}-{j}" if len(prompts) > 1 else request_id,
             ids,
-            deps.processor.block_hashes(ids),
+            deps.processor.block_hashes(ids, routing_root(lora_name)),
             params if j == 0 or req.seed is not None else params.reseeded(),
             max_tok,
-            req.n,
+            candidates(req),
             req.user,
             deadline,
+            lora_name,
         )
         for j, (ids, max_tok) in enumerate(zip(prompts, limits, strict=True))
     ]
+    return jobs, parser
+
+
+def _lora_of(deps: Deps, model: str) -> str | None:
+    """The adapter ``model`` names (None: the base model); 404 for anything else."""
+    if model in deps.settings.served_model_names:
+        return None
+    if model in deps.adapters():
+        return model
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {deps.model_name!r}"
+        + (f" and the LoRA adapters {sorted(deps.adapters())}" if deps.adapters() else ""),
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _formatter(
-    deps: Deps, req: CompletionRequest | ChatCompletionRequest, jobs: list[Job]
+    deps: Deps,
+    req: CompletionRequest | ChatCompletionRequest,
+    jobs: list[Job],
+    parser: ToolParser | None,
 ) -> Formatter:
-    echo = None
+    echo = echo_ids = None
     if isinstance(req, CompletionRequest) and req.echo:
         echo = [deps.processor.decode(job.prompt_ids) for job in jobs]
+        echo_ids = [job.prompt_ids for job in jobs] if req.logprobs is not None else None
+    options = req.stream_options
     return Formatter(
         chat=isinstance(req, ChatCompletionRequest),
         request_id=jobs[0].request_id.rsplit("-", 1)[0] if len(jobs) > 1 else jobs[0].request_id,
         model=req.model,
         processor=deps.processor,
-        num_choices=len(jobs) * req.n,
-        include_usage_field=bool(req.stream_options and req.stream_options.include_usage),
+        num_choices=len(jobs) * jobs[0].n,
+        include_usage_field=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         echo_text=echo,
-        n=req.n,
+        echo_ids=echo_ids,
+        n=jobs[0].n,
+        keep=req.n if jobs[0].n != req.n else None,
+        client_logprobs=req.logprobs is not None and req.logprobs is not False,
+        tool_parser=parser,
     )
 
 
@@ -209,11 +181,11 @@ async def handle_generation(
     """Run a completions or chat request end to end."""
     trace = Trace()
     try:
-        jobs = await _admit(deps, req)
+        jobs, parser = await _admit(deps, req)
     except APIError as exc:
         trace.finish(deps.metrics, outcome_of(exc))
         raise
-    fmt = _formatter(deps, req, jobs)
+    fmt = _formatter(deps, req, jobs, parser)
     usage = Usage(prompt_tokens=sum(len(job.prompt_ids) for job in jobs))
     deps.active += 1
     release = True
@@ -264,10 +236,19 @@ async def _reindex(stream: AsyncIterator[Delta], offset: int) -> AsyncIterator[D
         yield delta
 
 
+def _usage_now(fmt: Formatter, usage: Usage, trace: Trace) -> Usage | None:
+    """The usage so far for a chunk (``stream_options.continuous_usage_stats``), else None."""
+    if not fmt.continuous_usage:
+        return None
+    usage.completion_tokens = trace.completion_tokens
+    return usage
+
+
 def _fill_usage(usage: Usage, trace: Trace, timings: bool) -> None:
     usage.completion_tokens = trace.completion_tokens
     usage.cached_tokens = trace.cached_tokens
     usage.timings = trace.timings() if timings else None
+    usage.route = trace.route_info() if timings else None
 
 
 async def _stream(
@@ -283,10 +264,14 @@ async def _stream(
     """SSE body. Errors after the first byte travel in-band as an OpenAI error event."""
     outcome = "cancelled"  # unless we get to the end
     try:
-        yield fmt.chunk(first)
+        event = fmt.chunk(first, _usage_now(fmt, usage, trace))
+        if event:
+            yield event
         async for delta in run:
             trace.on_delta(delta)
-            yield fmt.chunk(delta)
+            event = fmt.chunk(delta, _usage_now(fmt, usage, trace))
+            if event:  # empty while a tool-call parser holds the text back
+                yield event
         if include_usage:
             _fill_usage(usage, trace, timings)
             yield fmt.usage_chunk(usage)
@@ -335,14 +320,18 @@ async def _complete(
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        client_gone = watcher.done()
         watcher.cancel()
         if not work.done():
             work.cancel()  # cancels the gRPC calls inside; they send Abort
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await work
-    if work.cancelled():
+    if work.cancelled() and client_gone:
         trace.finish(deps.metrics, "cancelled")
         return Response(status_code=499)
+    if work.cancelled():  # a cancellation from below with the client still here: never a 499
+        trace.finish(deps.metrics, "error")
+        raise APIError(503, "the request was cancelled inside the router; retry", code="cancelled")
     work.result()  # re-raises APIError from the run
     _fill_usage(usage, trace, timings)
     trace.finish(deps.metrics, "success")

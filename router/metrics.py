@@ -23,6 +23,9 @@ OUTCOMES = (
     "error",
 )
 
+# Why a request left its mode's placement (``pdserve_router_pool_fallback_total``).
+FALLBACK_REASONS = ("no_prefill", "prefill_failed", "no_decode")
+
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -124,6 +127,14 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.pool_fallbacks = Counter(
+            "pdserve_router_pool_fallback",
+            "Requests (choices) served by the other pool because the one the mode wants had no "
+            "healthy instance or failed (no_prefill, prefill_failed, no_decode; "
+            "docs/design.md §5)",
+            ["reason"],
+            registry=r,
+        )
         labels = ["pool", "instance"]
         self.inst_waiting = Gauge(
             "pdserve_instance_waiting",
@@ -149,10 +160,68 @@ class RouterMetrics:
             labels,
             registry=r,
         )
+        self._add_kv_index_metrics(r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        for decision in ("remote_prefill", "local_prefill"):
+        for decision in ("remote_prefill", "local_prefill", "decode_first"):
             self.disagg_decisions.labels(decision)
+        for reason in FALLBACK_REASONS:
+            self.pool_fallbacks.labels(reason)
+
+    def _add_kv_index_metrics(self, r: CollectorRegistry) -> None:
+        # The global block index (router/kv_index.py, docs/design.md §5).
+        self.kv_index_blocks = Gauge(
+            "pdserve_kv_index_blocks",
+            "Distinct KV blocks the router's event index knows held, per pool",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_index_entries = Gauge(
+            "pdserve_kv_index_entries",
+            "(block, instance) entries of the event index, per pool (bounded by "
+            "--kv-index-max-entries)",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_index_counters = {
+            what: Counter(f"pdserve_kv_index_{what}", text, ["pool"], registry=r)
+            for what, text in (
+                ("batches", "KV event batches applied"),
+                ("resyncs", "Snapshots applied (each subscription starts with one)"),
+                ("gaps", "Sequence gaps seen in a KV event stream (each resubscribes)"),
+                ("dropped", "Index entries dropped to keep --kv-index-max-entries"),
+            )
+        }
+        self.kv_events_lag = Gauge(
+            "pdserve_kv_index_lag_seconds",
+            "Seconds since the instance's last KV event batch (inf: none yet)",
+            ["pool", "instance"],
+            registry=r,
+        )
+        self.kv_events_live = Gauge(
+            "pdserve_kv_index_live",
+            "1 while the instance's KV event stream feeds the index (0: guessing index)",
+            ["pool", "instance"],
+            registry=r,
+        )
+        self.route_choices = Counter(
+            "pdserve_route_choices",
+            "Instances picked per pool and why (prefix_events, prefix_routed, prefix_guess, load, "
+            "skewed, policy, pinned)",
+            ["pool", "reason"],
+            registry=r,
+        )
+
+    def kv_index_counter(self, what: str, pool: str, amount: float = 1.0) -> None:
+        self.kv_index_counters[what].labels(pool).inc(amount)
+
+    def set_kv_index(self, pool: str, blocks: int, entries: int) -> None:
+        self.kv_index_blocks.labels(pool).set(blocks)
+        self.kv_index_entries.labels(pool).set(entries)
+
+    def set_kv_feed(self, pool: str, instance: str, *, live: bool, lag_s: float) -> None:
+        self.kv_events_live.labels(pool, instance).set(1.0 if live else 0.0)
+        self.kv_events_lag.labels(pool, instance).set(lag_s)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         if phase not in PHASES:
@@ -175,7 +244,14 @@ class RouterMetrics:
         self.inst_kv_usage.labels(pool, instance).set(kv_usage)
 
     def remove_instance(self, pool: str, instance: str) -> None:
-        for gauge in (self.inst_healthy, self.inst_waiting, self.inst_running, self.inst_kv_usage):
+        for gauge in (
+            self.inst_healthy,
+            self.inst_waiting,
+            self.inst_running,
+            self.inst_kv_usage,
+            self.kv_events_lag,
+            self.kv_events_live,
+        ):
             with contextlib.suppress(KeyError):
                 gauge.remove(pool, instance)
 

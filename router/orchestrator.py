@@ -5,33 +5,37 @@ once → Decode (prompt + first token + KvHandle) on a decode instance. With ``n
 prefill's stored KV serves every choice: choice 0 continues from the prefill's token, the
 others load the same KV and sample their own first token with their own seed.
 ``colocated``: Decode without handle (the decode instance prefills). ``auto``: per request,
-whichever the estimator says reaches token 2 sooner.
+whichever the estimator says reaches token 2 sooner. In ``disaggregated`` and ``auto`` a
+request whose whole prompt a decode instance already holds goes there without a prefill
+(decode-first; ``router/placement.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
-from pdserve.v1 import pdserve_pb2
+from pdserve_api.v1 import pdserve_pb2
 from router.decode_leg import decode_deltas
 from router.errors import APIError
-from router.estimator import Estimate, SideLoad
+from router.placement import MODES, Placement
 from router.pool import InstancePool
 from router.prefill_leg import PrefillFirst, prefill_events
 from router.rpc import LegContext
 from router.trace import Delta, Job, Trace
 
-MODES = ("disaggregated", "colocated", "auto")
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODES", "Orchestrator", "merge_streams"]
 
 
 class Orchestrator:
     """Places and runs requests; one per app."""
 
-    def __init__(self, leg: LegContext, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    def __init__(self, leg: LegContext, mode: str, *, decode_first: bool = True) -> None:
+        self.placement = Placement(leg, mode, decode_first=decode_first)
         self.leg = leg
         self.mode = mode
 
@@ -44,19 +48,24 @@ class Orchestrator:
         return self.leg.decode_pool
 
     def check_available(self) -> None:
-        """Raise 503 when a pool this mode needs has no healthy instance."""
-        if not self.decode_pool.healthy():
-            raise APIError(
-                503,
-                f"no healthy decode instance ({len(self.decode_pool.instances())} known); retry later",
-                code="decode_unavailable",
-            )
-        if self.mode == "disaggregated" and not self.prefill_pool.healthy():
-            raise APIError(
-                503,
-                f"no healthy prefill instance ({len(self.prefill_pool.instances())} known); retry later",
-                code="prefill_unavailable",
-            )
+        """Raise 503 only when no instance of either pool is healthy: a decode instance can
+        prefill a prompt itself and a prefill instance can serve a whole request, so one
+        healthy instance of any pool serves every mode (docs/design.md §5, "Degrade, never
+        drop")."""
+        if self.decode_pool.healthy() or self.prefill_pool.healthy():
+            return
+        raise APIError(
+            503,
+            f"no healthy decode instance ({len(self.decode_pool.instances())} known) and no "
+            f"healthy prefill instance ({len(self.prefill_pool.instances())} known); retry later",
+            code="decode_unavailable",
+        )
+
+    def kv_capacity_blocks(self) -> int:
+        """KV blocks of the largest healthy instance that would hold the whole request (a
+        decode instance; a prefill one when no decode is healthy); 0 while unknown."""
+        instances = self.decode_pool.healthy() or self.prefill_pool.healthy()
+        return max((inst.load.total_kv_blocks for inst in instances), default=0)
 
     def ready(self) -> bool:
         try:
@@ -65,42 +74,29 @@ class Orchestrator:
             return False
         return True
 
-    def decide(self, job: Job) -> str:
-        """``remote_prefill`` or ``local_prefill`` for this request (counted in metrics)."""
-        if self.mode == "disaggregated":
-            decision = "remote_prefill"
-        elif self.mode == "colocated":
-            decision = "local_prefill"
-        else:
-            decision = self.estimate(job).decision
-        self.leg.metrics.disagg_decisions.labels(decision).inc()
-        return decision
-
-    def estimate(self, job: Job) -> Estimate:
-        """Cost of both placements. Each side is priced on its least loaded healthy instance
-        and its best prefix match (what least_load / prefix_aware would pick), without
-        calling the policies (round robin would advance)."""
-        shape = self.leg.shape
-        return self.leg.estimator.estimate(
-            prompt_tokens=len(job.prompt_ids),
-            block_size=self.leg.block_size,
-            kv_bytes_per_token=shape.kv_bytes_per_token(self.leg.kv_dtype),
-            prefill=_side(self.prefill_pool, job),
-            decode=_side(self.decode_pool, job) or SideLoad(0, 0, 0),
-        )
-
     async def generate(self, job: Job, trace: Trace) -> AsyncIterator[Delta]:
         """Every delta of every choice, in arrival order; raises APIError on failure."""
-        trace.decision = self.decide(job)
-        if trace.decision == "local_prefill":
-            streams = [decode_deltas(self.leg, job, trace, i, [], None) for i in range(job.n)]
-            async for delta in merge_streams(streams):
+        trace.decision = self.placement.decide(job, trace)
+        if trace.decision in ("local_prefill", "decode_first"):
+            async for delta in self._local(job, trace):
                 yield delta
             return
         prefill = prefill_events(self.leg, job, trace)
-        handle: pdserve_pb2.KvHandle | None = None
         try:
             first = await anext(prefill)
+        except APIError as exc:  # the generator has ended: nothing to close
+            if exc.code not in ("prefill_unavailable", "prefill_failed"):
+                raise
+            # Every prefill instance failed before a token was sent (the only one died, or
+            # is restarting): the decode pool computes the prompt itself.
+            logger.warning("request %s: %s; prefilling on decode", job.request_id, exc)
+            self.leg.metrics.pool_fallbacks.labels("prefill_failed").inc()
+            trace.decision = "local_prefill"
+            async for delta in self._local(job, trace):
+                yield delta
+            return
+        handle: pdserve_pb2.KvHandle | None = None
+        try:
             assert isinstance(first, PrefillFirst)
             finish = (first.finish_reason or "stop") if first.finished else None
             if finish is None and job.max_tokens <= 1:
@@ -113,7 +109,7 @@ class Orchestrator:
             router_text = finish is None and text.endswith("\ufffd")
             if router_text:
                 text = text[:-1]
-            yield Delta(0, [first.token_id], text, first.logprobs, finish)
+            yield Delta(0, [first.token_id], text, first.logprobs, finish, first.prompt_logprobs)
             if finish is not None and job.n == 1:
                 return  # the first token ended it: no decode (closing ``prefill`` cancels it)
             event = await anext(prefill)
@@ -135,6 +131,11 @@ class Orchestrator:
             if not finished and handle is not None and handle.source_address:
                 self._end_p2p_hold(job, trace)
 
+    def _local(self, job: Job, trace: Trace) -> AsyncIterator[Delta]:
+        """Every choice in one ``Decode`` call each, the instance computing the prompt."""
+        streams = [decode_deltas(self.leg, job, trace, i, [], None) for i in range(job.n)]
+        return merge_streams(streams)
+
     def _end_p2p_hold(self, job: Job, trace: Trace) -> None:
         """The request ended early (client gone, decode failed) after a p2p prefill
         committed: ``Abort`` there ends the hold now instead of at the lease's end (a no-op
@@ -142,17 +143,6 @@ class Orchestrator:
         for inst in self.leg.prefill_pool.instances():
             if inst.url == trace.prefill_instance:
                 self.leg.abort_later(inst, job.request_id)
-
-
-def _side(pool: InstancePool, job: Job) -> SideLoad | None:
-    candidates = pool.healthy()
-    if not candidates:
-        return None
-    least = min(candidates, key=lambda inst: (inst.load_score(), inst.url))
-    cached = max(
-        pool.prefix_index.matched_blocks(inst.url, job.block_hashes) for inst in candidates
-    )
-    return SideLoad(least.load.waiting, least.load.running, cached)
 
 
 async def merge_streams(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.prefix_index import PrefixIndex
+from router.kv_index import Match
 
 POLICY_NAMES = ("least_load", "round_robin", "prefix_aware", "session")
 
@@ -31,11 +31,33 @@ class Candidate(Protocol):
 
 
 @dataclass(slots=True)
+class RouteNote:
+    """Why a policy picked what it picked (the request's trace and
+    ``pdserve_route_choices_total``): ``prefix_events`` / ``prefix_routed`` (events and
+    recent routes, ``router/prefix_match.py``) / ``prefix_guess`` (its held blocks won), ``load`` (no hit worth its load), ``skewed`` (the best hit was much busier than
+    the least loaded), ``policy`` (a policy that does not look at prefixes), ``pinned``
+    (placement chose the instance: decode-first, auto mode)."""
+
+    reason: str
+    match: Match | None = None
+    score: float | None = None
+
+
+@dataclass(slots=True)
 class RouteContext:
-    """Per-request routing inputs."""
+    """Per-request routing inputs (and the policy's note on its choice)."""
 
     block_hashes: Sequence[bytes] = ()
     user: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the request runs with (router/lora.py)
+    pin: str | None = None  # placement already chose this instance (while it is healthy)
+    note: RouteNote | None = None  # set by the last ``select``
+
+
+class PrefixMatcher(Protocol):
+    """Per-instance prefix hits (``router/prefix_match.py``)."""
+
+    def matches(self, urls: Sequence[str], hashes: Sequence[bytes]) -> dict[str, Match]: ...
 
 
 class Policy(Protocol):
@@ -55,6 +77,7 @@ class LeastLoadPolicy:
     name = "least_load"
 
     def select(self, candidates: Sequence[Candidate], ctx: RouteContext) -> Candidate:
+        ctx.note = RouteNote("policy")
         return _least_loaded(candidates)
 
 
@@ -66,39 +89,57 @@ class RoundRobinPolicy:
 
     def select(self, candidates: Sequence[Candidate], ctx: RouteContext) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.url)
+        ctx.note = RouteNote("policy")
         return ordered[next(self._counter) % len(ordered)]
 
 
 class PrefixAwarePolicy:
-    """Prefer the instance holding the longest leading run of the prompt's blocks.
+    """Score each instance by the prompt's leading blocks it holds, weighted by tier,
+    against its load: ``score = weighted hit blocks − load_weight × load_score``; the best
+    score wins (ties: less load, then URL).
 
-    Falls back to least load when no instance holds any block, or when the best-matching
-    instance is overloaded relative to the least loaded one (``score > min × skew_ratio +
-    skew_slack``): a hot prefix must not pile every request onto one instance.
+    Hits come from the event index where the instance's stream is live, else from the
+    guessing index (``matcher``). Least load also wins when the winner is overloaded
+    relative to the least loaded instance (``load > min × skew_ratio + skew_slack``): a hot
+    prefix must not pile every request onto one instance.
     """
 
     name = "prefix_aware"
 
     def __init__(
-        self, index: PrefixIndex, *, skew_ratio: float = 2.0, skew_slack: float = 8.0
+        self,
+        matcher: PrefixMatcher,
+        *,
+        load_weight: float = 4.0,
+        skew_ratio: float = 2.0,
+        skew_slack: float = 8.0,
     ) -> None:
-        self.index = index
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.matcher = matcher
+        self.load_weight = load_weight
         self.skew_ratio = skew_ratio
         self.skew_slack = skew_slack
 
     def select(self, candidates: Sequence[Candidate], ctx: RouteContext) -> Candidate:
         least = _least_loaded(candidates)
         if not ctx.block_hashes:
+            ctx.note = RouteNote("load")
             return least
-        best, best_blocks = least, 0
+        matches = self.matcher.matches([c.url for c in candidates], ctx.block_hashes)
+        best, best_score = least, float("-inf")
         for cand in sorted(candidates, key=lambda c: (c.load_score(), c.url)):
-            blocks = self.index.matched_blocks(cand.url, ctx.block_hashes)
-            if blocks > best_blocks:
-                best, best_blocks = cand, blocks
-        if best_blocks == 0:
+            score = matches[cand.url].weighted - self.load_weight * cand.load_score()
+            if score > best_score:
+                best, best_score = cand, score
+        match = matches[best.url]
+        if match.blocks == 0:
+            ctx.note = RouteNote("load", matches[least.url], best_score)
             return least
         if best.load_score() > least.load_score() * self.skew_ratio + self.skew_slack:
+            ctx.note = RouteNote("skewed", matches[least.url])
             return least
+        ctx.note = RouteNote(f"prefix_{match.source}", match, best_score)
         return best
 
 
@@ -133,6 +174,7 @@ class SessionPolicy:
         return self._ring
 
     def select(self, candidates: Sequence[Candidate], ctx: RouteContext) -> Candidate:
+        ctx.note = RouteNote("policy")
         if not ctx.user:
             return _least_loaded(candidates)
         by_url = {c.url: c for c in candidates}
@@ -141,14 +183,15 @@ class SessionPolicy:
         return by_url[ring.owners[i]]
 
 
-def make_policy(name: str, index: PrefixIndex) -> Policy:
-    """Build the policy called ``name`` (one of :data:`POLICY_NAMES`)."""
+def make_policy(name: str, matcher: PrefixMatcher, load_weight: float = 4.0) -> Policy:
+    """Build the policy called ``name`` (one of :data:`POLICY_NAMES`); ``matcher`` and
+    ``load_weight`` are ``prefix_aware``'s."""
     if name == "least_load":
         return LeastLoadPolicy()
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "prefix_aware":
-        return PrefixAwarePolicy(index)
+        return PrefixAwarePolicy(matcher, load_weight=load_weight)
     if name == "session":
         return SessionPolicy()
     raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

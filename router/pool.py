@@ -6,7 +6,11 @@ standard ``grpc.health.v1`` Check with SERVING and ``GetLoad`` (not draining), b
 ``check_timeout``, or it is taken out; it is put back as soon as it passes again. A failed
 call during a request takes the instance out at once (passive check) until the next pass.
 A check that gets no answer also sets ``Instance.lost``, which fails the instance's
-in-flight decode streams over (``router.stream_watch``); draining does not.
+in-flight decode streams over (``router.stream_watch``); draining does not. One check
+that misses its deadline while the previous one passed is forgiven (``MISSES_FORGIVEN``):
+a burst of work (hundreds of streams opened and cancelled at once) can delay one answer
+on a live instance, and taking it out then failed every stream on it over and turned new
+requests into 503s. Two misses in a row, or a refused connection, take it out.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,10 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_tls import TlsFiles, channel_options
 from common.grpc_token import call_metadata
-from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
+from router.kv_events_client import KvEventFeeds
+from router.kv_index import KvBlockIndex, TierWeights
+from router.lora import lora_candidates
 from router.metrics import RouterMetrics
-from router.policies import Policy, RouteContext, make_policy
+from router.policies import Policy, RouteContext, RouteNote, make_policy
 from router.prefix_index import PrefixIndex
+from router.prefix_match import PrefixMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,10 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+
+# Consecutive missed check deadlines tolerated on a healthy instance (module docstring).
+MISSES_FORGIVEN = 1
 
 
 class Discovery(Protocol):
@@ -60,6 +72,8 @@ class LoadSnapshot:
     model_fingerprint: str = ""
     model_name: str = ""
     draining: bool = False
+    lora_adapters: tuple[str, ...] = ()  # served by the instance (router/lora.py)
+    resident_lora_adapters: tuple[str, ...] = ()  # of those, in a device slot now
 
     @property
     def kv_usage(self) -> float:
@@ -83,9 +97,13 @@ class Instance:
     inflight: int = 0
     last_error: str = ""
     metadata: tuple[tuple[str, str], ...] = ()  # sent on every call: the control-plane token
+    # DecodeService on the same channel: a prefill instance serves whole requests when no
+    # decode instance is healthy (docs/design.md §5); for decode instances, ``stub`` itself.
+    decode_stub: Any = None
     # Set when a health check got no answer (hung or gone, not draining): streams on the
     # instance fail over at once (router.stream_watch). Replaced when it passes again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    missed: int = 0  # consecutive checks that missed their deadline (module docstring)
 
     def load_score(self) -> float:
         return self.load.waiting * 4 + self.load.running + self.sent_since_poll
@@ -107,6 +125,11 @@ class InstancePool:
         grpc_token: str = "",
         tls: TlsFiles | None = None,
         tls_server_name: str = "",
+        kv_events: bool = True,
+        kv_index_max_entries: int = 500_000,
+        kv_pending_window: float = 10.0,
+        tier_weights: TierWeights | None = None,
+        prefix_load_weight: float = 4.0,
     ) -> None:
         if name not in ("prefill", "decode"):
             raise ValueError(f"pool name must be 'prefill' or 'decode', got {name!r}")
@@ -123,11 +146,20 @@ class InstancePool:
         # ``tls_server_name`` overrides it.
         self._credentials = tls.channel_credentials() if tls is not None else None
         self._channel_options = CHANNEL_OPTIONS + channel_options(tls_server_name)
+        # What routing knows of each instance's cache (docs/design.md §5): the event index
+        # while its KV event stream is live, else the guess of what was sent there.
         self.prefix_index = PrefixIndex(prefix_index_blocks)
-        self.policy: Policy = make_policy(policy, self.prefix_index)
+        self.kv_index = KvBlockIndex(kv_index_max_entries, tier_weights)
+        self.kv_feeds = KvEventFeeds(name, self.kv_index, metrics) if kv_events else None
+        self.matcher = PrefixMatcher(
+            self.kv_index, self.prefix_index, self.events_live, kv_pending_window
+        )
+        self.policy: Policy = make_policy(policy, self.matcher, prefix_load_weight)
         self._instances: dict[str, Instance] = {}
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Called after each passing health poll (router/lora_admin.py syncs adapters).
+        self.on_polled: Callable[[Instance], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +193,8 @@ class InstancePool:
                 await self.refresh()
             except Exception:  # the loop must survive anything a check throws
                 logger.exception("%s pool: health round failed", self.name)
+            if self.kv_feeds is not None:
+                self.kv_feeds.publish_gauges()
 
     async def refresh(self) -> None:
         """Sync with discovery and check every instance once (concurrently)."""
@@ -177,19 +211,18 @@ class InstancePool:
             if self._credentials is None
             else grpc.aio.secure_channel(url, self._credentials, options=self._channel_options)
         )
-        stub_cls = (
-            pdserve_pb2_grpc.PrefillServiceStub
-            if self.name == "prefill"
-            else pdserve_pb2_grpc.DecodeServiceStub
-        )
+        decode_stub = pdserve_pb2_grpc.DecodeServiceStub(channel)
         self._instances[url] = Instance(
             url,
             self.name,
             channel,
-            stub_cls(channel),
+            pdserve_pb2_grpc.PrefillServiceStub(channel) if self.name == "prefill" else decode_stub,
             health_pb2_grpc.HealthStub(channel),
             metadata=self.call_metadata,
+            decode_stub=decode_stub,
         )
+        if self.kv_feeds is not None:
+            self.kv_feeds.add(url, self._instances[url].stub, self.call_metadata)
         logger.info("%s pool: added %s", self.name, url)
 
     async def _remove(self, url: str) -> None:
@@ -197,6 +230,8 @@ class InstancePool:
         if inst is None:
             return
         self.prefix_index.forget(url)
+        if self.kv_feeds is not None:
+            await self.kv_feeds.remove(url)
         if self.metrics is not None:
             self.metrics.remove_instance(self.name, url)
         # Grace lets in-flight streams on a leaving instance finish.
@@ -219,6 +254,10 @@ class InstancePool:
             if info.draining:
                 raise _Unhealthy("draining")
         except (grpc.RpcError, _Unhealthy) as exc:
+            if _forgiven(inst, exc):
+                logger.info("%s pool: %s answered late (%s); kept in", self.name, inst.url,
+                            _describe(exc))  # fmt: skip
+                return
             self._set_health(inst, False, _describe(exc))
             if isinstance(exc, grpc.RpcError):
                 inst.lost.set()  # no answer: its streams would stall, so fail them over now
@@ -232,9 +271,14 @@ class InstancePool:
             model_fingerprint=info.model_fingerprint,
             model_name=info.model_name,
             draining=info.draining,
+            lora_adapters=tuple(info.lora_adapters),
+            resident_lora_adapters=tuple(info.resident_lora_adapters),
         )
         inst.sent_since_poll = 0
+        inst.missed = 0
         self._set_health(inst, True, "")
+        if self.on_polled is not None:
+            self.on_polled(inst)
 
     def _set_health(self, inst: Instance, healthy: bool, reason: str) -> None:
         if healthy and inst.lost.is_set():
@@ -268,14 +312,34 @@ class InstancePool:
     def select(self, ctx: RouteContext, exclude: Iterable[str] = ()) -> Instance | None:
         """Pick a healthy instance not in ``exclude`` by the pool's policy; None if none."""
         candidates: Sequence[Instance] = self.healthy(exclude)
+        if ctx.lora_name is not None:  # only instances serving the adapter can run it
+            candidates = lora_candidates(candidates, ctx.lora_name)
         if not candidates:
             return None
-        chosen = self.policy.select(candidates, ctx)
-        assert isinstance(chosen, Instance)
+        pinned = [c for c in candidates if c.url == ctx.pin]
+        if pinned:
+            chosen = pinned[0]
+            ctx.note = RouteNote("pinned")
+        else:
+            picked = self.policy.select(candidates, ctx)
+            assert isinstance(picked, Instance)
+            chosen = picked
+        if self.metrics is not None and ctx.note is not None:
+            self.metrics.route_choices.labels(self.name, ctx.note.reason).inc()
         chosen.sent_since_poll += 1
         if ctx.block_hashes:
             self.prefix_index.record(chosen.url, ctx.block_hashes)
         return chosen
+
+    def events_live(self, url: str) -> bool:
+        """Whether the event index speaks for ``url`` now (its stream is live)."""
+        return self.kv_feeds is not None and self.kv_feeds.live(url)
+
+    def _events_state(self, url: str) -> str:
+        sub = self.kv_feeds.subscribers.get(url) if self.kv_feeds is not None else None
+        if sub is None:
+            return "off"
+        return "live" if sub.live else ("unsupported" if sub.unsupported else "down")
 
     def mark_failed(self, inst: Instance, reason: str) -> None:
         """Take ``inst`` out until its next passing health check (a call to it just failed)."""
@@ -292,6 +356,7 @@ class InstancePool:
                     "waiting": i.load.waiting,
                     "running": i.load.running,
                     "error": i.last_error or None,
+                    "kv_events": self._events_state(i.url),
                 }
                 for i in self._instances.values()
             },
@@ -306,3 +371,13 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc)
+
+
+def _forgiven(inst: Instance, exc: BaseException) -> bool:
+    """A deadline missed by a healthy instance whose previous check passed: counted, not
+    acted on (module docstring)."""
+    late = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    if late and inst.healthy and inst.missed < MISSES_FORGIVEN:
+        inst.missed += 1
+        return True
+    return False

@@ -10,7 +10,8 @@ prompt (``reason="save_failed"``). A call on an instance that the health checks 
 (a paused or hung prefill) is cancelled at once by a :class:`StreamWatch` and retried like
 a failed one, instead of waiting for its deadline. When the
 consumer leaves early (client gone, or the first token ended the request) the call is
-cancelled and ``Abort`` sent.
+cancelled, which aborts the request there; ``Abort`` is sent only after a stall (a hung
+instance may miss the cancellation; router/decode_leg.py says why).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import Any
 
 import grpc
 
-from pdserve.v1 import pdserve_pb2
+from pdserve_api.v1 import pdserve_pb2
 from router.errors import APIError
 from router.policies import RouteContext
 from router.rpc import (
     LegContext,
     StreamBroken,
+    busy,
     deadline_for,
     describe,
     fatal_error,
@@ -48,15 +50,19 @@ class PrefillFirst:
     logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: str
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def prefill_events(
     leg: LegContext, job: Job, trace: Trace
 ) -> AsyncGenerator[PrefillFirst | pdserve_pb2.KvHandle | None, None]:
     """Yield the first token (once), then the KvHandle, or None if it could not be committed."""
-    ctx = RouteContext(job.block_hashes, job.user)
+    ctx = RouteContext(job.block_hashes, job.user, job.lora_name)
     request = pdserve_pb2.PrefillRequest(
-        request_id=job.request_id, prompt_token_ids=job.prompt_ids, params=sampling_proto(job, 0)
+        request_id=job.request_id,
+        prompt_token_ids=job.prompt_ids,
+        params=sampling_proto(job, 0),
+        lora_name=job.lora_name or "",
     )
     tried: set[str] = set()
     first_sent = False
@@ -69,6 +75,7 @@ async def prefill_events(
             leg.metrics.prefill_retries.inc()
         tried.add(inst.url)
         trace.prefill_instance = inst.url
+        trace.note_route("prefill", inst.url, ctx.note, len(job.block_hashes))
         call = inst.stub.Prefill(
             request, timeout=deadline_for(job, leg.prefill_timeout), metadata=inst.metadata
         )
@@ -88,7 +95,12 @@ async def prefill_events(
                             lps = logprobs_of([ft.logprob]) if ft.HasField("logprob") else None
                             watch.held = True
                             yield PrefillFirst(
-                                ft.token_id, ft.text, lps, ft.finished, ft.finish_reason
+                                ft.token_id,
+                                ft.text,
+                                lps,
+                                ft.finished,
+                                ft.finish_reason,
+                                logprobs_of(ft.prompt_logprobs) or None,
                             )
                             watch.held = False
                         elif event.HasField("kv_committed"):
@@ -96,11 +108,13 @@ async def prefill_events(
                             yield event.kv_committed
                             return
                 except asyncio.CancelledError:
-                    if not watch.stalled():
+                    reason = watch.broken()
+                    if reason is None:
                         raise  # the consumer itself is cancelled (client gone)
-                    # A paused instance that comes back must not keep the request running.
-                    leg.abort_later(inst, job.request_id)
-                    raise StreamBroken(watch.reason or "stalled") from None
+                    if watch.kind:
+                        # A paused instance that comes back must not keep the request running.
+                        leg.abort_later(inst, job.request_id)
+                    raise StreamBroken(reason) from None
             raise StreamBroken("prefill stream ended before the KV was committed")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True
@@ -126,12 +140,12 @@ async def prefill_events(
                 last_error,
                 attempt + 1,
             )
-            leg.prefill_pool.mark_failed(inst, last_error)
+            if not busy(exc):  # a full instance is healthy: it stays in rotation
+                leg.prefill_pool.mark_failed(inst, last_error)
         finally:
             inst.inflight -= 1
             if not done:  # consumer left (client gone, or the first token ended the request)
-                call.cancel()
-                leg.abort_later(inst, job.request_id)
+                call.cancel()  # the instance sees the cancellation and aborts the request
     if not first_sent:
         raise _exhausted(len(tried), last_error)
     leg.metrics.kv_load_fallbacks.labels("prefill_lost").inc()

@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.errors import bad_request
-from router.guided import guide_of
+from router.guided import NO_GUIDE, guide_of
+from router.tool_request import ToolCallIn, ToolChoice, ToolList, check_tools, tool_guide
+from router.tool_template import call_arguments
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -60,6 +62,8 @@ def reject_surrogates(data: Any) -> None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 class TextCheckedRequest(BaseModel):
@@ -104,9 +108,22 @@ class _CommonRequest(TextCheckedRequest):
     guided_grammar: str | None = None
     guided_json: dict[str, Any] | str | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM extensions this server cannot honour: refused rather than ignored (docs/router.md
+    # "Refused fields" gives the reasons).
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:
+        if self.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs (vLLM's separate output) is not supported; send echo with "
+                "logprobs on /v1/completions for the prompt's logprobs"
+            )
+        if self.use_beam_search:
+            raise ValueError(
+                "use_beam_search is not supported: the engine samples, it has no beam search"
+            )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -130,17 +147,18 @@ class CompletionRequest(_CommonRequest):
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best are known at the end)")
         if self.suffix:
+            # No served model family has a fill-in-the-middle template here (docs/router.md).
             raise ValueError("suffix is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
@@ -157,14 +175,29 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it."""
-        return {
-            "role": self.role,
-            "content": self.text(),
-            **({"name": self.name} if self.name else {}),
-        }
+        """The message as the chat template sees it (router/tool_template.py)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": call_arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -183,15 +216,15 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: ToolList | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
+        check_tools(self, guided=guide_of(self) != NO_GUIDE)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
@@ -224,6 +257,7 @@ class GenParams:
     guided_kind: str = ""  # "" = no guide; else an engine GuidedSpec kind
     guided_value: str = ""
     logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # completions' echo + logprobs
 
     def reseeded(self) -> GenParams:
         """A copy with a fresh random seed: each prompt of a batch the client did not seed
@@ -285,9 +319,23 @@ def logit_bias_of(req: _CommonRequest) -> dict[int, float]:
     return out
 
 
+def candidates(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Choices to generate per prompt: ``best_of`` when given (the ``n`` best are kept)."""
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        return req.best_of
+    return req.n
+
+
 def completion_params(req: CompletionRequest) -> GenParams:
-    # The legacy completions API defaults to 16 tokens.
-    return gen_params(req, max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
+    # The legacy completions API defaults to 16 tokens. best_of > n ranks the candidates by
+    # their cumulative logprob, so every token's logprob is needed (router/best_of.py).
+    logprobs = req.logprobs
+    if req.best_of is not None and req.best_of > req.n and logprobs is None:
+        logprobs = 0
+    params = gen_params(req, max_tokens=req.max_tokens or 16, logprobs=logprobs)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = req.logprobs  # the echoed prompt's logprobs, from the prefill
+    return params
 
 
 def chat_params(req: ChatCompletionRequest) -> GenParams:
@@ -301,4 +349,8 @@ def chat_params(req: ChatCompletionRequest) -> GenParams:
         )
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return gen_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params = gen_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    guide = tool_guide(req)
+    if guide is not None:  # required / named tool_choice (router/tool_request.py)
+        params.guided_kind, params.guided_value = guide
+    return params

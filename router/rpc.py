@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.v1 import pdserve_pb2
+from pdserve_api.v1 import pdserve_pb2
 from router.errors import APIError
 from router.estimator import AutoEstimator
 from router.metrics import RouterMetrics
@@ -98,6 +98,7 @@ def sampling_proto(job: Job, index: int) -> pdserve_pb2.SamplingParams:
         guided_kind=p.guided_kind,
         guided_value=p.guided_value,
         logit_bias=p.logit_bias,
+        prompt_logprobs=p.prompt_logprobs,
     )
 
 
@@ -125,6 +126,15 @@ def fatal_error(exc: grpc.aio.AioRpcError, what: str) -> APIError | None:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, f"{what} rejected the request: {exc.details()}", code="invalid_value")
     return APIError(500, f"{what} failed: {code.name}: {exc.details()}", code="upstream_error")
+
+
+def busy(exc: BaseException) -> bool:
+    """The instance is up but cannot take this request now (its queue is full, or the
+    request waited out its deadline for a LoRA slot): try another instance, but do not take
+    this one out of rotation (docs/design.md §5, "Degrade, never drop")."""
+    return (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
 
 
 def describe(exc: BaseException) -> str:

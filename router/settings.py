@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.tool_parsers import parser_class
+
 
 @dataclass(slots=True)
 class RouterSettings:
@@ -29,6 +31,16 @@ class RouterSettings:
     stream_idle_timeout: float = 30.0
     max_concurrent_requests: int = 0
     max_batch_prompts: int = 64
+    # Tool calling (router/tool_request.py): "auto" needs both, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    max_chat_messages: int = 1024
+    body_read_timeout: float = 30.0
+    header_read_timeout: float = 10.0
+    max_connections: int = 4096
+    preprocess_concurrency: int = 4
+    allow_runtime_lora_updating: bool = False  # router/lora_admin.py
+    decode_first: bool = True  # router/placement.py
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -37,8 +49,18 @@ class RouterSettings:
             raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_parser is not None:
+            parser_class(self.tool_call_parser)  # ValueError naming the parsers
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if min(self.max_chat_messages, self.max_connections, self.preprocess_concurrency) < 1:
+            raise ValueError(
+                "max_chat_messages, max_connections and preprocess_concurrency must be >= 1"
+            )
+        if min(self.body_read_timeout, self.header_read_timeout) <= 0:
+            raise ValueError("body_read_timeout and header_read_timeout must be > 0")
         if min(self.request_timeout, self.prefill_timeout, self.stream_idle_timeout) <= 0:
             raise ValueError("request_timeout, prefill_timeout and stream_idle_timeout must be > 0")
         if (

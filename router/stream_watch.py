@@ -9,9 +9,10 @@ beside one stream and cancels its call when either
 * no chunk arrived for ``idle_s`` seconds (the wait for the first chunk included; time
   the reader spends handing a delta to a slow consumer, ``held``, does not count).
 
-The reader then sees ``asyncio.CancelledError`` from the call; :meth:`StreamWatch.stalled`
-tells that apart from a cancellation of the reading task itself (client gone), and the
-decode leg resumes the choice elsewhere with the tokens it already has.
+The reader then sees ``asyncio.CancelledError`` from the call (as it does when the pool
+closes the channel of an instance discovery dropped); :meth:`StreamWatch.broken` tells
+that apart from a cancellation of the reading task itself (client gone), and the decode
+leg resumes the choice elsewhere with the tokens it already has.
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ class StreamWatch:
         """A chunk arrived: restart the idle clock (a float store; no task per chunk)."""
         self._last = self._loop.time()
 
-    def stalled(self) -> bool:
-        """True when the call was cancelled by this watch and not by the reader's own
-        cancellation (the client left while the watch fired)."""
+    def broken(self) -> str | None:
+        """Why the call ended in ``CancelledError`` when the reading task itself was not
+        cancelled (the client did not leave): this watch cancelled it (``reason``), or the
+        pool closed the call's channel because discovery dropped the instance (it moved to
+        new ports) — a lost stream to resume elsewhere, not a client disconnect (a 499).
+        None when the reader is being cancelled."""
         task = asyncio.current_task()
-        return self.reason is not None and not (task is not None and task.cancelling())
+        if task is not None and task.cancelling():
+            return None
+        return self.reason or "the call was cancelled: the instance left the pool"
 
     async def __aenter__(self) -> StreamWatch:
         self._task = asyncio.create_task(self._watch(), name=f"watch-{self._inst.url}")

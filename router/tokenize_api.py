@@ -9,8 +9,8 @@ from typing import Annotated, Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from router.admission import chat_text
 from router.errors import APIError, bad_request
-from router.handlers import chat_text
 from router.protocol import UINT32_MAX, ChatMessage, TextCheckedRequest
 from router.tokenizer import PromptProcessor
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -108,6 +110,8 @@ class PromptProcessor:
         eos = special_tokens.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
         self._template = None
+        # Names the template reads (e.g. whether it renders ``tools``; router/tool_template.py).
+        self.template_variables: frozenset[str] = frozenset()
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -116,6 +120,9 @@ class PromptProcessor:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(chat_template)
+            self.template_variables = frozenset(
+                jinja2.meta.find_undeclared_variables(env.parse(chat_template))
+            )
 
     @classmethod
     def from_model_dir(
@@ -150,6 +157,13 @@ class PromptProcessor:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Most characters one token can stand for (its vocabulary piece is at least as long
+        as its text: one piece character per byte in byte-level BPE), so a text of ``n``
+        characters is at least ``n / max_token_chars`` tokens without tokenizing it."""
+        return max((len(piece) for piece in self._tok.get_vocab()), default=1) or 1
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -166,15 +180,19 @@ class PromptProcessor:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The conversation as prompt text through the model's chat template."""
+        """The conversation as prompt text through the model's chat template (``tools``
+        passed the way transformers does, for templates that render them)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
@@ -208,9 +226,12 @@ class PromptProcessor:
         """One token as text, for logprobs (may be a partial UTF-8 character)."""
         return str(self._tok.decode([token_id], skip_special_tokens=False))
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks (the engine's and the KV store's keys)."""
-        return compute_block_hashes(token_ids, self.block_size)
+    def block_hashes(self, token_ids: Sequence[int], root: bytes | None = None) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks (the engine's and the KV store's keys;
+        ``root``: another chain root, router/lora.py)."""
+        if root is None:
+            return compute_block_hashes(token_ids, self.block_size)
+        return compute_block_hashes(token_ids, self.block_size, root=root)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.metrics import PHASES, RouterMetrics
+from router.policies import RouteNote
 from router.protocol import GenParams
 
 
@@ -30,6 +32,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, if asked
 
 
 @dataclass(slots=True)
@@ -44,6 +47,10 @@ class Job:
     n: int = 1
     user: str | None = None
     deadline: float = float("inf")  # time.monotonic() by which the request must be done
+    lora_name: str | None = None  # the LoRA adapter ``model`` named (None: the base model)
+    # Placement chose this decode instance (decode-first, auto mode's local pick); the
+    # choices' first ``Decode`` goes there while it is healthy (router/placement.py).
+    decode_pin: str | None = None
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -63,7 +70,27 @@ class Trace:
     prefill_instance: str | None = None
     decode_instances: list[str] = field(default_factory=list)
     decision: str | None = None
+    # How the request was placed and routed (docs/router.md "Routing on held blocks"):
+    # the placement's inputs (auto's estimate, the decode-first holder) and every
+    # instance choice with its reason and prefix hit. ``pdserve_timings`` returns it.
+    placement: dict[str, Any] = field(default_factory=dict)
+    routes: list[dict[str, Any]] = field(default_factory=list)
     _done: bool = False
+
+    def note_route(self, pool: str, instance: str, note: RouteNote | None, blocks: int) -> None:
+        """Record one instance choice: the pool, the instance and why (``RouteNote``)."""
+        entry: dict[str, Any] = {"pool": pool, "instance": instance, "prompt_blocks": blocks}
+        if note is not None:
+            entry["reason"] = note.reason
+            if note.match is not None:
+                entry.update(note.match.as_dict())
+            if note.score is not None:
+                entry["score"] = round(note.score, 3)
+        self.routes.append(entry)
+
+    def route_info(self) -> dict[str, Any]:
+        """The ``pdserve_route`` usage field: decision, placement inputs, choices."""
+        return {"decision": self.decision, **self.placement, "choices": self.routes}
 
     def phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + max(0.0, seconds)

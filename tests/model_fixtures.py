@@ -10,6 +10,7 @@ prompts and chat templates work on them; they are saved in float32 from a fixed 
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -53,12 +54,42 @@ def smollm2_path() -> Path:
     return pull_model("smollm2").path
 
 
+def tokenizer_source() -> Path:
+    """Where the tiny models' tokenizer files come from: ``PDSERVE_TEST_TOKENIZER_DIR`` when
+    set (a GPU machine without the model package: its few MB of tokenizer files travel
+    instead, benchmarks/README.md "GPU runs still to make"), else the pulled SmolLM2."""
+    carried = os.environ.get("PDSERVE_TEST_TOKENIZER_DIR")
+    return Path(carried) if carried else smollm2_path()
+
+
 def copy_tokenizer(out_dir: Path, source_dir: Path | None = None) -> None:
     """Copy the tokenizer files (default: SmolLM2's) into ``out_dir``."""
-    source = source_dir if source_dir is not None else smollm2_path()
+    source = source_dir if source_dir is not None else tokenizer_source()
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out_dir / name)
+
+
+def argmax_continuations(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy continuation with a transformers model's own forward and KV cache. A plain
+    argmax loop rather than ``generate``: ``generate`` applies EOS handling of its own, and
+    our reference for ``ignore_eos`` is "the argmax, whatever token it is"."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            result = model(torch.tensor([ids]), use_cache=True)
+            tokens: list[int] = []
+            for _ in range(max_new):
+                tokens.append(int(result.logits[0, -1].argmax()))
+                result = model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=result.past_key_values,
+                    use_cache=True,
+                )
+            outs.append(tokens)
+    return outs
 
 
 def _perturb_trivial_params(model: Any, seed: int) -> None:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class ServiceProcess:
     log_path: Path
     port: int
     metrics_port: int = 0
+    argv: tuple[str, ...] = ()  # what started it (``restart`` runs it again)
+    env: dict[str, str] | None = None
 
     @property
     def address(self) -> str:
@@ -88,6 +91,13 @@ class ServiceProcess:
         """Signal the whole process group (the process and anything it started)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signum)
+
+    def restart(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Stop it if it runs, then start the same command again (same ports) and wait
+        until its gRPC health check passes (a service; not a router)."""
+        self.stop()
+        self.proc = spawn(self.name, self.argv, self.log_path.parent, self.env)
+        wait_healthy(self, grpc_probe(self.address), timeout)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit status."""
@@ -203,7 +213,13 @@ def _start_service_once(
         *extra_args,
     ]
     child = ServiceProcess(
-        name, spawn(name, argv, log_dir, env), log_dir / f"{name}.log", port, metrics_port
+        name,
+        spawn(name, argv, log_dir, env),
+        log_dir / f"{name}.log",
+        port,
+        metrics_port,
+        tuple(argv),
+        env,
     )
     try:
         wait_healthy(child, grpc_probe(child.address), timeout)
@@ -289,6 +305,15 @@ class ProcessStack:
         child = start_router(self.model_dir, self.log_dir, **kwargs)  # type: ignore[arg-type]
         self.children.append(child)
         return child
+
+    def together(self, *starts: Callable[[], ServiceProcess]) -> list[ServiceProcess]:
+        """Run several ``service``/``router`` starts at once and wait for all of them: a
+        process's start is mostly its own imports and model load, which overlap. Every
+        started process is in ``children`` (so ``close()`` stops it) even if another failed;
+        the first failure is raised once all have finished."""
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(start) for start in starts]
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         while self.children:

@@ -16,13 +16,17 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "torch_ref", "triton", "flash_attn")
 
 
-def get_backend(name: str, device: str) -> AttentionBackend:
+def get_backend(name: str, device: str, *, deterministic: bool = False) -> AttentionBackend:
     """Build the named backend (ValueError with the alternatives when it cannot run here).
 
     "auto": on CUDA with Triton, Triton plus FA4 per step shape when FA4 imports (else
-    Triton alone, said once in the log); elsewhere torch_ref."""
+    Triton alone, said once in the log); elsewhere torch_ref. ``deterministic``: the
+    backend's batch-invariant form (docs/design.md §3 "Deterministic mode"); "auto" is
+    then Triton alone on CUDA, and flash_attn is refused."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if deterministic:
+        return _deterministic_backend(name, device)
     if name == "auto":
         if not (device.startswith("cuda") and importlib.util.find_spec("triton")):
             return _torch_ref(device)
@@ -44,6 +48,26 @@ def get_backend(name: str, device: str) -> AttentionBackend:
     from engine.attention.triton_backend import TritonAttention
 
     return TritonAttention()
+
+
+def _deterministic_backend(name: str, device: str) -> AttentionBackend:
+    if name == "flash_attn":
+        raise ValueError(
+            "deterministic mode has no flash_attn form (its split sizes follow the batch); "
+            "use attention_backend 'auto' or 'triton'"
+        )
+    if name == "torch_ref" or not (
+        device.startswith("cuda") and importlib.util.find_spec("triton")
+    ):
+        if name == "triton":
+            raise ValueError("attention_backend 'triton' needs device 'cuda'")
+        from engine.attention.torch_ref import TorchRefAttention
+
+        # Per request, never the C decode kernel or the padded decode batch.
+        return TorchRefAttention(cpu_kernels=False, batch_invariant=True)
+    from engine.attention.triton_backend import TritonAttention
+
+    return TritonAttention(batch_invariant=True)
 
 
 _said_no_fa4 = False

@@ -47,7 +47,7 @@ class AttentionBackend(abc.ABC):
     # Whether ``forward_prewritten`` is implemented (the caller then stores K/V itself).
     accepts_prewritten_kv: bool = False
     # Whether a pure-decode step through it reads only device tensors plus the fixed host
-    # integers, so it can be captured in a CUDA graph (engine/cuda_graphs.py's contract).
+    # integers, so it can be captured in a CUDA graph (engine/executor/cuda_graphs.py's contract).
     captures_decode: bool = False
 
     @abc.abstractmethod
@@ -59,8 +59,15 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write ``key``/``value`` into ``kv_cache`` and return ``[num_tokens, num_heads, head_dim]``."""
+        """Write ``key``/``value`` into ``kv_cache`` and return ``[num_tokens, num_heads, head_dim]``.
+
+        ``window`` > 0: sliding-window attention, a query at position p sees the keys at
+        (p - window, p] only. ``softcap`` > 0: scores become ``softcap * tanh(s / softcap)``
+        before the softmax (Gemma 2). docs/design.md §3 "Sliding windows"."""
 
     def forward_prewritten(
         self,
@@ -68,6 +75,9 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """``forward`` for a cache that already holds this step's K/V at ``slot_mapping``."""
         raise NotImplementedError(f"attention backend {self.name!r} writes its own KV")

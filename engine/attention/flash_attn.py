@@ -18,7 +18,7 @@ FA4 reads our cache as it is: ``kv_cache[0]``/``kv_cache[1]`` are
 where our queries sit (base.py, ``AttentionMetadata``). The host integers
 ``max_query_len``/``max_seq_len`` are its ``max_seqlen_q``/``max_seqlen_k`` bounds.
 
-CUDA graphs (engine/cuda_graphs.py) capture pure-decode steps only, and those run on
+CUDA graphs (engine/executor/cuda_graphs.py) capture pure-decode steps only, and those run on
 Triton under both policies, so no FA4 call is ever inside a graph: FA4's integer bounds
 never have to cover a replay (docs/design.md §3 "Attention backends"). A step captured
 anyway (a graph that is being recorded) also goes to Triton, for the same reason.
@@ -64,8 +64,8 @@ class ShapeRule:
 
 # Kernel times on one H200, 8B head shape (32 query heads, 8 KV heads, dim 128, bf16,
 # 16-token pages), FA4 4.0.0b36 vs our Triton kernel on the same cache, from
-# benchmarks/attention_backends.py (benchmarks/gpu_h200.md, "Attention backends": two runs
-# of 2026-12-01, JSON attention_backends_h200.json and attention_backends_h200_run2.json).
+# benchmarks/gpu/attention_backends.py (two runs of 2026-12-01, benchmarks/results/gpu/
+# attention_backends_h200.json and attention_backends_h200_run2.json).
 # A shape goes to FA4 only where it won in both runs: FA4's host-side launch is long
 # enough that sub-0.25 ms kernels flip between runs (2k prefill 0.100 then 0.218 ms).
 SHAPE_TABLE: tuple[ShapeRule, ...] = (
@@ -170,7 +170,7 @@ class FlashAttention(AttentionBackend):
     """FA4 or Triton per step (see the module docstring); K/V writes are ours."""
 
     accepts_prewritten_kv = True
-    # Decode steps only touch Triton here, so they can be captured (engine/cuda_graphs.py).
+    # Decode steps only touch Triton here, so they can be captured (engine/executor/cuda_graphs.py).
     captures_decode = True
 
     def __init__(self, policy: str = "flash_attn", triton: TritonAttention | None = None) -> None:
@@ -187,6 +187,9 @@ class FlashAttention(AttentionBackend):
         shape = step_shape(meta)
         if shape == "decode" or query.device.type != "cuda":
             return False
+        hd = query.shape[-1]
+        if hd & (hd - 1):
+            return False  # FA4's tiles want a power-of-two head_dim; Triton pads (Phi-3-mini)
         if kv_cache.dtype != query.dtype or torch.cuda.is_current_stream_capturing():
             return False  # fp8 cache / a graph being recorded: Triton (module docstring)
         if query.dtype not in _FA4_DTYPES:
@@ -206,9 +209,15 @@ class FlashAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        if not self.use_fa4(query, kv_cache, meta):
-            return self.triton.forward(query, key, value, kv_cache, meta, scale)
+        # Windowed and soft-capped layers always run on Triton (FA4 is called without them).
+        if window or softcap or not self.use_fa4(query, kv_cache, meta):
+            return self.triton.forward(
+                query, key, value, kv_cache, meta, scale, window=window, softcap=softcap
+            )
         validate_inputs(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         return flash_attn_paged(query, kv_cache, meta, scale)
@@ -219,8 +228,13 @@ class FlashAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        if not self.use_fa4(query, kv_cache, meta):
-            return self.triton.forward_prewritten(query, kv_cache, meta, scale)
+        if window or softcap or not self.use_fa4(query, kv_cache, meta):
+            return self.triton.forward_prewritten(
+                query, kv_cache, meta, scale, window=window, softcap=softcap
+            )
         validate_prewritten(query, kv_cache)
         return flash_attn_paged(query, kv_cache, meta, scale)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-# The cache-byte view lives with the KV records (kv_store must not import the engine).
-from kv_store.record import byte_view  # noqa: F401  (re-exported for the engine)
+# The cache-byte view is part of the KV connector interface (kv_store must not import the
+# engine, and the engine imports no other kv_store module).
+from kv_store.base import byte_view  # noqa: F401  (re-exported for the engine)
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn

@@ -9,6 +9,8 @@ unless it is switched off (``PDSERVE_CPU_KERNELS=0``) or cannot be built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -63,14 +65,18 @@ class TorchRefAttention(AttentionBackend):
         cpu_kernels: bool | None = None,
         k_scale: float = DEFAULT_SCALE,
         v_scale: float = DEFAULT_SCALE,
+        batch_invariant: bool = False,
     ) -> None:
-        """``cpu_kernels``: use the C decode kernel where it applies (None: unless
+        """``batch_invariant`` (deterministic mode, docs/design.md §3): every request's rows
+        are attended alone, decodes too (a padded decode batch, or the C kernel's
+        threading, would make a row's bits depend on the other requests). ``cpu_kernels``: use the C decode kernel where it applies (None: unless
         ``PDSERVE_CPU_KERNELS=0``). Public so a benchmark can flip it on a live engine.
         ``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (engine/attention/kv_quant.py;
         unused for a model-dtype cache). An fp8 cache never takes the C kernel (it reads
         float32/bf16 blocks only): its decode rows run the torch path."""
         self.cpu_kernels = kernels_enabled() if cpu_kernels is None else cpu_kernels
         self.k_scale, self.v_scale = k_scale, v_scale
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -80,21 +86,28 @@ class TorchRefAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping, self.k_scale, self.v_scale)
+        opts = _Opts(window, softcap)
         starts = meta.query_start_loc_cpu
         decode_reqs: list[int] = []
         prefill_reqs: list[int] = []
         for i in range(meta.num_reqs):
-            (decode_reqs if starts[i + 1] - starts[i] == 1 else prefill_reqs).append(i)
-        kernel = self._kernel(query, kv_cache, meta) if decode_reqs else None
+            one_row = starts[i + 1] - starts[i] == 1 and not self.batch_invariant
+            (decode_reqs if one_row else prefill_reqs).append(i)
+        # The C kernel attends over whole contexts: windowed / capped layers take torch.
+        plain = not (window or softcap)
+        kernel = self._kernel(query, kv_cache, meta) if decode_reqs and plain else None
         if not prefill_reqs:
             if kernel is not None:
                 out = torch.empty_like(query)
                 return kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale, out)
             # Pure decode step: query row i is request i, so no gather/scatter of rows (on a
             # busy CPU every extra op costs a thread-pool round trip).
-            return self._decode_batch(query, kv_cache, meta, scale, None)
+            return self._decode_batch(query, kv_cache, meta, scale, None, opts)
         out = torch.empty_like(query)
         if kernel is not None:
             # The kernel writes the decode rows of ``out`` in place; prefill rows follow.
@@ -103,7 +116,9 @@ class TorchRefAttention(AttentionBackend):
             kernel(query, kv_cache, meta.block_tables, meta.seq_lens, scale, out, reqs, rows)
         elif decode_reqs:
             rows = torch.tensor([starts[i] for i in decode_reqs], device=query.device)
-            o = self._decode_batch(query.index_select(0, rows), kv_cache, meta, scale, decode_reqs)
+            o = self._decode_batch(
+                query.index_select(0, rows), kv_cache, meta, scale, decode_reqs, opts
+            )
             out.index_copy_(0, rows, o)
         for i in prefill_reqs:
             q0, q1 = starts[i], starts[i + 1]
@@ -117,7 +132,7 @@ class TorchRefAttention(AttentionBackend):
                 k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
             k = dequantize(k, query.dtype, self.k_scale)
             v = dequantize(v, query.dtype, self.v_scale)
-            out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, causal_offset=seq_len - (q1 - q0))
+            out[q0:q1] = _sdpa(query[q0:q1], k, v, scale, seq_len - (q1 - q0), opts)
         return out
 
     def _kernel(
@@ -148,6 +163,7 @@ class TorchRefAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         reqs: list[int] | None,
+        opts: _Opts | None = None,
     ) -> torch.Tensor:
         """Attention for one query row per request: ``query`` [B, Hq, D] holds the rows of
         requests ``reqs`` (None = every request, in order); returns [B, Hq, D]."""
@@ -166,15 +182,52 @@ class TorchRefAttention(AttentionBackend):
         groups = query.shape[1] // kv_heads
         q = query.reshape(batch, kv_heads, groups, dim)
         positions = torch.arange(n_blocks * block_size, device=query.device)
-        mask = positions[None, :] < torch.tensor(lens, device=query.device)[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        ends = torch.tensor(lens, device=query.device)[:, None]
+        mask = positions[None, :] < ends
+        opts = opts or _Opts()
+        if opts.window:
+            mask &= positions[None, :] > ends - 1 - opts.window
+        o = _attend(q, k, v, mask[:, None, None, :], scale, opts.softcap)
         return o.reshape(batch, kv_heads * groups, dim)
 
 
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
+@dataclass(frozen=True, slots=True)
+class _Opts:
+    """A layer's sliding window (0 = none) and score soft-cap (0 = none)."""
+
+    window: int = 0
+    softcap: float = 0.0
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
 ) -> torch.Tensor:
-    """Attention of ``q`` [Lq, Hq, D] over ``k``/``v`` [Lk, Hkv, D]; query j sees keys <= offset + j."""
+    """SDPA over ``[..., L, D]`` tensors with a boolean ``mask``; with a soft-cap the
+    scores are capped before the softmax (float32 softmax, as transformers' eager path)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int,
+    opts: _Opts | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` [Lq, Hq, D] over ``k``/``v`` [Lk, Hkv, D]; query j sees keys <= offset + j
+    (and, with a window, keys > offset + j - window)."""
     lq, lk = q.shape[0], k.shape[0]
     # 4-D inputs with enable_gqa: on the CPU this reaches the fused (flash) kernel and never
     # repeats K/V per query head; 3-D inputs fell back to the unfused math path, ~5-10x slower.
@@ -182,6 +235,16 @@ def _sdpa(
     kt = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
     vt = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
+    if opts is not None and (opts.window or opts.softcap):
+        qpos = torch.arange(lq, device=q.device)[:, None] + causal_offset
+        kpos = torch.arange(lk, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if opts.window:
+            mask &= kpos > qpos - opts.window
+        if gqa:
+            rep = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+        return _attend(qt, kt, vt, mask, scale, opts.softcap).squeeze(0).transpose(0, 1)
     if causal_offset == 0 and lq == lk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:

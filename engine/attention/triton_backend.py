@@ -3,7 +3,7 @@
 ``TritonAttention`` implements ``AttentionBackend`` (engine/attention/base.py) with the
 kernels in ``triton_kernels.py``. It reads only the host-side integers of the metadata
 (``num_reqs``, ``max_query_len``, ``max_seq_len``) and never synchronises with the device,
-so a decode step through it can be captured in a CUDA graph (engine/cuda_graphs.py).
+so a decode step through it can be captured in a CUDA graph (engine/executor/cuda_graphs.py).
 ``forward_prewritten`` skips the KV write for a model whose RoPE kernel already stored K/V.
 
 On a CPU tensor it runs only under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, for
@@ -60,7 +60,7 @@ def choose_config(
 ) -> LaunchConfig:
     """Pick tiles. ``num_sms`` None means the interpreter: small tiles, many loop trips.
 
-    GPU choices come from the H200 tile sweep in benchmarks/gpu_h200.md.
+    GPU choices come from the H200 tile sweep in benchmarks/results/gpu/gpu_h200.json.
     """
     wide = dtype != torch.float32  # fp32 tiles take twice the shared memory
     if max_query_len <= 1:
@@ -93,6 +93,26 @@ def choose_config(
         decode_only=False,
         num_warps=4,
         num_stages=2,
+    )
+
+
+def invariant_config(group: int, dtype: torch.dtype, num_sms: int | None) -> LaunchConfig:
+    """Deterministic mode (docs/design.md §3): one tile shape for every step, whatever its
+    batch. No KV split (``choose_config`` splits by the number of requests), the same
+    ``BLOCK_N`` for decodes and prefills (a decode row gives the bits it would give inside
+    a mixed step), and KV tiles at fixed absolute positions from 0, so neither the rows
+    beside a query nor where its prompt was cut into chunks change the order it sums in."""
+    if num_sms is None:
+        block_m, block_n = 16, 16
+    else:
+        block_m, block_n = 64, (64 if dtype != torch.float32 else 32)
+    block_m = max(block_m, _pow2(group))
+    return LaunchConfig(
+        block_q=max(1, block_m // group),
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=1,
+        decode_only=False,
     )
 
 
@@ -156,9 +176,12 @@ def paged_attention(
     config: LaunchConfig | None = None,
     k_scale: float = DEFAULT_SCALE,
     v_scale: float = DEFAULT_SCALE,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context
-    (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``)."""
+    (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``); ``window``
+    and ``softcap`` as in ``AttentionBackend.forward``."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -208,6 +231,9 @@ def paged_attention(
         bt,
         scale * k_scale * _LOG2E if kv_fp8 else scale * _LOG2E,
         v_scale,
+        window,
+        # The kernel's scores are in base 2 (times log2 e), so is the cap.
+        softcap * _LOG2E if softcap else 1.0,
         meta.num_reqs,
         query.stride(0),
         query.stride(1),
@@ -218,6 +244,7 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
+        HEAD_P2=_pow2(head_dim),
         PAGE=kv_cache.shape[2],
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
@@ -227,6 +254,8 @@ def paged_attention(
         IEEE=query.dtype == torch.float32,
         UPCAST=query.device.type == "cpu" and query.dtype != torch.float32,
         KV_FP8=kv_fp8,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -241,6 +270,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=cfg.num_splits,
             SPLITS_P2=_pow2(cfg.num_splits),
+            HEAD_P2=_pow2(head_dim),
         )
     return out
 
@@ -271,8 +301,9 @@ def validate_prewritten(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
 def _validate(query: torch.Tensor, num_kv_heads: int, kv_cache: torch.Tensor) -> None:
     _check_device(query)
     head_dim = query.shape[2]
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if head_dim < 16 or head_dim > 256 or head_dim % 8:
+        # Not a power of two (Phi-3-mini's 96): tiles are padded to the next one.
+        raise ValueError(f"head_dim must be a multiple of 8 in [16, 256], got {head_dim}")
     if query.dtype not in _DTYPES or not (kv_cache.dtype == query.dtype or is_fp8(kv_cache.dtype)):
         raise ValueError(
             f"dtypes: query {query.dtype}, kv_cache {kv_cache.dtype} (need one of {_DTYPES}, "
@@ -300,10 +331,23 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     accepts_prewritten_kv = True
 
-    def __init__(self, k_scale: float = DEFAULT_SCALE, v_scale: float = DEFAULT_SCALE) -> None:
-        """``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (kv_quant.py)."""
+    def __init__(
+        self,
+        k_scale: float = DEFAULT_SCALE,
+        v_scale: float = DEFAULT_SCALE,
+        batch_invariant: bool = False,
+    ) -> None:
+        """``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (kv_quant.py).
+        ``batch_invariant``: every launch with ``invariant_config`` (deterministic mode)."""
         self._num_sms: dict[int, int] = {}
         self.k_scale, self.v_scale = k_scale, v_scale
+        self.batch_invariant = batch_invariant
+
+    def _config(self, query: torch.Tensor, kv_cache: torch.Tensor) -> LaunchConfig | None:
+        if not self.batch_invariant:
+            return None  # choose_config, per step shape
+        group = query.shape[1] // kv_cache.shape[3]
+        return invariant_config(group, query.dtype, self._sms(query.device))
 
     def _sms(self, device: torch.device) -> int | None:
         if device.type != "cuda":
@@ -321,12 +365,15 @@ class TritonAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         validate_inputs(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return paged_attention(
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
         )  # fmt: skip
 
     def forward_prewritten(
@@ -335,9 +382,12 @@ class TritonAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         validate_prewritten(query, kv_cache)
         return paged_attention(
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
         )  # fmt: skip

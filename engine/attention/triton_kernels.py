@@ -100,14 +100,18 @@ def _attend_tile(
     q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh, scale_log2,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr, window, softcap_log2, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HEAD_P2: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
 
-    MASKED=False is for tiles wholly inside the context and visible to every query row.
+    MASKED=False is for tiles wholly inside the context and visible to every query row
+    (never used with a window). HAS_WINDOW: row r sees keys > q_pos[r] - window only.
+    HAS_SOFTCAP: scores (base 2) become ``c * tanh(s / c)``, ``c`` = softcap * log2(e).
     """
     n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)  # HEAD_P2 > HEAD_DIM: padded columns load as 0
+    d_ok = d < HEAD_DIM
     n_ok = n < kv_hi
     if MASKED:
         blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -115,8 +119,13 @@ def _attend_tile(
         blk = tl.load(bt_row + n // PAGE).to(tl.int64)
     tok_off = (blk * PAGE + n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
     if MASKED:
-        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        k_ok = n_ok[None, :] & d_ok[:, None]
+        v_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=k_ok, other=0.0)
+        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=v_ok, other=0.0)
+    elif HEAD_P2 != HEAD_DIM:
+        k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     else:
         k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None])
         v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :])
@@ -130,8 +139,16 @@ def _attend_tile(
     else:
         s = tl.dot(q, k)
     s = s * scale_log2
+    if HAS_SOFTCAP:
+        x = s / softcap_log2
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        s = softcap_log2 * tl.where(x < 0, -t, t)
     if MASKED:
-        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,6 +179,8 @@ def _paged_attn_kernel(
     bt_ptr,
     scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
     v_scale,  # KV_FP8 only: the V cache's scale, applied to the normalised output
+    window,  # HAS_WINDOW only: the sliding window in tokens
+    softcap_log2,  # HAS_SOFTCAP only: the score soft-cap times log2(e)
     num_reqs,
     stride_qt,
     stride_qh,
@@ -172,6 +191,7 @@ def _paged_attn_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,  # HEAD_DIM rounded up to a power of two (tl.arange's need)
     PAGE: tl.constexpr,  # tokens per KV block
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -181,6 +201,8 @@ def _paged_attn_kernel(
     IEEE: tl.constexpr,  # exact fp32 products (no tf32) for float32 models
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns as ints
     KV_FP8: tl.constexpr,  # the cache holds float8 e4m3 (see the module docstring)
+    HAS_WINDOW: tl.constexpr,  # sliding-window layer: keys before the window are skipped
+    HAS_SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -202,11 +224,12 @@ def _paged_attn_kernel(
     q_tok = q_block * BLOCK_Q + rows // GROUP
     head = kvh * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)
+    d_ok = d < HEAD_DIM
     tok64 = (q_start + q_tok).to(tl.int64)
     q = tl.load(
         q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None],
+        mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
     if UPCAST:
@@ -216,29 +239,35 @@ def _paged_attn_kernel(
     # Causal: this tile's last query sees keys up to its own position.
     kv_hi = tl.minimum(seq_len, ctx_off + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
     kv_lo = 0
+    if HAS_WINDOW:
+        # The tile's first query sees keys from its position - window + 1 on; nothing
+        # before that is read (the windowed layers' cost stays O(window)).
+        kv_lo = tl.maximum(ctx_off + q_block * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
         kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     # Keys up to the tile's first query position are visible to every row: no mask needed.
     full_hi = tl.minimum(kv_hi, ctx_off + q_block * BLOCK_Q + 1)
     mid = kv_lo + (tl.maximum(full_hi - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        mid = kv_lo  # the window's lower edge differs per row: every tile is masked
     for start in range(kv_lo, mid, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, IEEE, UPCAST, KV_FP8,
-            q_ptr.dtype.element_ty,
+            q_ptr.dtype.element_ty, window, softcap_log2, HAS_WINDOW, HAS_SOFTCAP, HEAD_P2,
         )  # fmt: skip
     for start in range(mid, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, IEEE, UPCAST, KV_FP8,
-            q_ptr.dtype.element_ty,
+            q_ptr.dtype.element_ty, window, softcap_log2, HAS_WINDOW, HAS_SOFTCAP, HEAD_P2,
         )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -246,10 +275,11 @@ def _paged_attn_kernel(
         out = out * v_scale
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         part = (tok64 * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+        part_ptr = part_out_ptr + part[:, None] * HEAD_DIM + d[None, :]
+        tl.store(part_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
@@ -265,19 +295,24 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    HEAD_P2: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
     s_ok = s < NUM_SPLITS
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)
+    d_ok = d < HEAD_DIM
     base = (tok * NUM_HEADS + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     denom = tl.sum(w, 0)
     o = tl.load(
-        part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0
+        part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     res = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty))
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + d
+    tl.store(o_ptr, res.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.distributed.tp_group import TPGroup
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from engine.models.fp8 import (
     Fp8Linear,
@@ -18,15 +20,36 @@ from engine.models.fp8 import (
     quantize_projections,
 )
 from engine.models.fp8_loader import Fp8Scheme
-from engine.models.layer_ops import get_layer_ops
+from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.llama import LlamaForCausalLM
-from engine.tp_group import TPGroup
+from engine.models.moe import MoEBlock
+from engine.models.stages import Stage
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model", "get_layer_ops"]
 
 # Every supported architecture shares one implementation; the differences (qkv bias, q/k
-# norm, rope scaling) are flags in ModelArgs.
+# norm, rope scaling, windows, soft-caps, norms, experts) are fields of ModelArgs.
 _REGISTRY = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+
+
+def get_layer_ops(device: str, fused: bool, deterministic: bool = False) -> LayerOps:
+    """Triton kernels on CUDA when asked for and importable, else the torch reference.
+    ``deterministic``: their batch-invariant variants (docs/design.md §3 "Deterministic
+    mode"); on CUDA that is always the Triton one (cuBLAS is not batch-invariant)."""
+    triton_here = device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+    if deterministic:
+        if triton_here:
+            from engine.models.triton_batch_invariant import BatchInvariantTritonOps
+
+            return BatchInvariantTritonOps
+        from engine.models.batch_invariant import BatchInvariantTorchOps
+
+        return BatchInvariantTorchOps
+    if fused and triton_here:
+        from engine.models.triton_ops import TritonOps
+
+        return TritonOps
+    return TorchOps
 
 
 def build_model(
@@ -41,18 +64,24 @@ def build_model(
     fused_ops: bool = False,
     tp: TPGroup | None = None,
     quantization: Fp8Scheme | None = None,
+    deterministic: bool = False,
+    stage: Stage | None = None,
 ) -> LlamaForCausalLM:
     """``fused_ops``: Triton kernels for the element-wise work on CUDA (layer_ops.py).
     ``tp``: build and load only this rank's shard (engine/models/parallel.py).
     ``quantization``: FP8 decoder projections (engine/models/fp8.py), loaded from an FP8
-    checkpoint or quantized here from the loaded (or dummy) weights."""
+    checkpoint or quantized here from the loaded (or dummy) weights.
+    ``stage``: build and load only this pipeline stage's part (engine/models/stages.py).
+    ``deterministic``: batch-invariant ops (``get_layer_ops``)."""
     cls = _REGISTRY[args.architecture]
-    ops = get_layer_ops(device, fused_ops)
+    ops = get_layer_ops(device, fused_ops, deterministic)
     with torch.device(device):
-        model = cls(args, backend, max_positions, ops, tp)
+        model = cls(args, backend, max_positions, ops, tp, stage)
     if load_format == "dummy":
         # Each rank draws its own shard's values (random either way: shapes set the speed).
-        _init_dummy(model, seed + (tp.rank if tp is not None else 0))
+        # (and each pipeline stage its own layers'.)
+        rank = (tp.rank if tp is not None else 0) + 1000 * (stage.index if stage else 0)
+        _init_dummy(model, seed + rank)
     elif quantization is not None and quantization.from_checkpoint:
         empty_fp8_projections(model, ops)
         model.load_weights(fp8_checkpoint_tensors(_iter_safetensors(model_dir), args))
@@ -63,10 +92,14 @@ def build_model(
     else:
         if not any(isinstance(m, Fp8Linear) for m in model.modules()):
             quantize_projections(model, ops)  # from the checkpoint's own precision
+            for module in model.modules():
+                if isinstance(module, MoEBlock):
+                    module.quantize()
         cast_unquantized(model, dtype)
     # Rope tables stay float32 for accuracy; they are cast per use.
-    model.rope.cos = model.rope.cos.float()
-    model.rope.sin = model.rope.sin.float()
+    for rope in (model.rope, model.rope_local):
+        rope.cos = rope.cos.float()
+        rope.sin = rope.sin.float()
     return model.eval()
 
 

@@ -11,9 +11,10 @@ the scales shard with their output channels (docs/design.md §9).
 How a projection runs (``fp8_linear``):
 * CUDA, 1-4 rows, Triton layer ops: one Triton GEMV over the FP8 weights, activations in
   the model dtype, the scale applied per output (``triton_fp8_gemv.py``).
-* CUDA otherwise: activations quantized per token (dynamic, one float32 scale per row),
-  then ``torch._scaled_mm`` with row-wise scales (``scale_a`` ``[M, 1]``, ``scale_b``
-  ``[1, N]``) on the FP8 tensor cores.
+* CUDA otherwise: activations quantized per token (dynamic, one float32 scale per row, one
+  Triton launch: ``triton_fp8_quant.py``), then ``torch._scaled_mm`` with row-wise scales (``scale_a`` ``[M, 1]``, ``scale_b``
+  ``[1, N]``) on the FP8 tensor cores, or the split-K Triton GEMM (``triton_fp8_gemm.py``)
+  for the shapes and row counts where it was measured faster.
 * CPU (the reference, and where the tests run): the same per-token activation
   quantization, then a float32 matmul of the exact e4m3 values with the scales applied
   after, i.e. what ``_scaled_mm`` computes, up to float32 summation order.
@@ -22,6 +23,7 @@ How a projection runs (``fp8_linear``):
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +31,9 @@ from torch import nn
 from engine.models.config import ModelArgs
 from engine.models.fp8_loader import full_rows
 from engine.models.layer_ops import LayerOps, TorchOps
+
+if TYPE_CHECKING:
+    from engine.models.triton_fp8_gemm import Fp8GemmConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -118,8 +123,20 @@ def fp8_linear(
 
 
 def _scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 on the FP8 tensor cores; row-wise scaling writes bf16 (cast by the caller)."""
-    xq, x_scale = quantize_rows(rows)
+    """W8A8 on the FP8 tensor cores; row-wise scaling writes bf16 (cast by the caller). The
+    activations are quantized by one Triton launch (``triton_fp8_quant.py``: the torch
+    form is eight kernels a projection, which cost more than FP8 saved at decode)."""
+    if rows.stride(-1) == 1:
+        from engine.models.triton_fp8_quant import quantize_rows_triton
+
+        xq, x_scale = quantize_rows_triton(rows, FP8_MAX, _MIN_SCALE)
+    else:
+        xq, x_scale = quantize_rows(rows)
+    config = _tuned_split_k(rows.shape[0], weight)
+    if config is not None:
+        from engine.models.triton_fp8_gemm import fp8_gemm
+
+        return fp8_gemm(xq, x_scale, weight, scale, config)
     return torch._scaled_mm(
         xq,
         weight.t(),  # [K, N] column-major, as cuBLASLt wants the second operand
@@ -127,6 +144,14 @@ def _scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
         scale_b=scale.unsqueeze(0),
         out_dtype=torch.bfloat16,
     )
+
+
+def _tuned_split_k(m: int, weight: torch.Tensor) -> Fp8GemmConfig | None:
+    """The split-K Triton GEMM's config where it was measured faster than cuBLAS for this
+    shape and row count (``triton_fp8_gemm.py``), else None."""
+    from engine.models.triton_fp8_gemm import tuned_config
+
+    return tuned_config(m, weight.shape[0], weight.shape[1])
 
 
 def _reference_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -140,7 +165,9 @@ def _projection_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
     """(parent module, attribute) of every decoder projection of a LlamaForCausalLM."""
     for layer in model.layers:  # type: ignore[union-attr]
         for part, attr in _PROJECTIONS:
-            yield getattr(layer, part), attr
+            parent = getattr(layer, part)
+            if hasattr(parent, attr):  # an MoE layer's mlp has experts instead
+                yield parent, attr
 
 
 def quantize_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
@@ -169,7 +196,11 @@ def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
             if module.bias is not None:
                 module.bias.data = module.bias.data.to(dtype)
             continue
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        named = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        for name, tensor in named:
+            # FP8 experts (engine/models/moe.py) keep their e4m3 weights and float32 scales.
+            if tensor.dtype == FP8 or name.endswith("_scale"):
+                continue
             if tensor.is_floating_point():
                 tensor.data = tensor.data.to(dtype)
 

@@ -11,11 +11,11 @@ kernels round where torch rounds (every intermediate that torch keeps in the mod
 rounded to it), so both give the same values up to float32 summation order.
 ``TritonOps.linear`` is a one-launch GEMV (``triton_gemv.py``) at 1-4 rows, where cuBLAS
 reads the weights below HBM bandwidth and splits K over two kernels, and cuBLAS otherwise.
+``TritonOps`` builds on ``TorchOps``, so this module never imports it: the choice between
+them is ``engine.models.get_layer_ops``.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
@@ -28,11 +28,20 @@ class TorchOps:
     # fewer per layer); the model then hands the backend a prewritten cache. Here it is
     # the reference, so the model keeps the backend's own write.
     fuses_kv_write = False
+    # True for the ops of deterministic mode (engine/models/batch_invariant.py): a row's
+    # result does not depend on the rows computed with it.
+    batch_invariant = False
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias``, what ``nn.Linear`` computes (the weight in its layout)."""
         return torch.nn.functional.linear(x, weight, bias)
+
+    @classmethod
+    def logits(cls, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head's ``x @ weight.T`` (``nn.Linear``'s own matmul, not ``linear``: the
+        GEMV of the Triton ops is for the decoder's projections)."""
+        return torch.nn.functional.linear(x, weight)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,12 +131,3 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 LayerOps = type[TorchOps]
-
-
-def get_layer_ops(device: str, fused: bool) -> LayerOps:
-    """Triton kernels on CUDA when asked for and importable, else the torch reference."""
-    if fused and device.startswith("cuda") and importlib.util.find_spec("triton") is not None:
-        from engine.models.triton_ops import TritonOps
-
-        return TritonOps
-    return TorchOps

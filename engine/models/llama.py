@@ -1,4 +1,8 @@
-"""The Llama family over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+"""The decoder over the paged KV cache for every supported architecture: the Llama family
+(Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), Phi-3 (Llama with fused checkpoint
+tensors and longrope), Gemma 2/3 (windowed and global layers, soft-caps, sandwich norms,
+GeGLU; ``ModelArgs`` flags) and the MoE models (Mixtral, Qwen3-MoE: ``engine/models/moe.py``
+replaces the MLP).
 
 Projections are merged (q|k|v and gate|up) for fewer, larger matmuls. Under tensor
 parallelism (``Shard``, engine/models/parallel.py) each merged projection holds this rank's
@@ -8,17 +12,28 @@ output columns and each o/down projection its input rows, followed by one all-re
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.tp_group import TPGroup
 from engine.models.config import ModelArgs
 from engine.models.fp8 import Fp8Linear
 from engine.models.layer_ops import LayerOps, TorchOps
+from engine.models.moe import MoEBlock
 from engine.models.parallel import Shard, VocabParallelEmbedding, gather_logits
 from engine.models.rope import RotaryEmbedding
-from engine.tp_group import TPGroup
+from engine.models.stages import Stage
+from engine.models.weights import load_checkpoint
+
+
+class LayerLoRA(Protocol):
+    """What a layer's LoRA view does (engine/lora/slots.py ``LayerLoRA``): add the step's
+    LoRA term of ``x`` to a projection's output ``out`` (``kind``: qkv, o, gate_up, down)."""
+
+    def add(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
 
 def _project(ops: LayerOps, proj: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +65,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, shard: Shard, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPGroup
+        self,
+        shard: Shard,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TPGroup,
+        window: int = 0,
     ) -> None:
         super().__init__()
         args = shard.args
@@ -71,7 +91,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
         self.rope = rope
         self.backend = backend
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attn_scale or args.head_dim**-0.5
+        # Per layer: the sliding window (0 = global) and the score soft-cap (0 = none).
+        self.window = window
+        self.softcap = args.attn_softcap
+        self.lora: LayerLoRA | None = None  # set when LoRA is on (engine/lora/slots.py)
 
     def forward(
         self,
@@ -81,6 +105,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = _project(self.rope.ops, self.qkv_proj, x)
+        if self.lora is not None:
+            qkv = self.lora.add("qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -93,12 +119,25 @@ class Attention(nn.Module):
             q = ops.rope_store_kv(
                 positions, q, k, v, self.rope.cos, self.rope.sin, kv_cache, meta.slot_mapping
             )
-            out = self.backend.forward_prewritten(q, kv_cache, meta, self.scale)
+            out = self.backend.forward_prewritten(
+                q, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            )
         else:
             q, k = self.rope(positions, q, k)
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        out = _project(self.rope.ops, self.o_proj, out.reshape(-1, self.q_size))
+            out = self.backend.forward(
+                q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            )
+        attn = out.reshape(-1, self.q_size)
+        out = _project(self.rope.ops, self.o_proj, attn)
+        if self.lora is not None:
+            out = self.lora.add("o", attn, out)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: ``gelu_tanh(gate) * up`` for ``gate_up = [gate | up]`` (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
 
 
 class MLP(nn.Module):
@@ -109,23 +148,48 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.tp = tp
+        self.gelu = shard.args.hidden_act == "gelu_tanh"
+        self.lora: LayerLoRA | None = None  # set when LoRA is on (engine/lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = _project(self.ops, self.gate_up_proj, x)
-        out = _project(self.ops, self.down_proj, self.ops.silu_mul(gate_up))
+        if self.lora is not None:
+            gate_up = self.lora.add("gate_up", x, gate_up)
+        act = gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
+        out = _project(self.ops, self.down_proj, act)
+        if self.lora is not None:
+            out = self.lora.add("down", act, out)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, shard: Shard, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPGroup
+        self,
+        shard: Shard,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TPGroup,
+        index: int,
     ) -> None:
         super().__init__()
         args = shard.args
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
-        self.self_attn = Attention(shard, rope, backend, tp)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, rope.ops)
-        self.mlp = MLP(shard, rope.ops, tp)
+        ops = rope.ops
+        window = args.layer_windows[index] if args.layer_windows else 0
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.self_attn = Attention(shard, rope, backend, tp, window)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.mlp: MLP | MoEBlock
+        if args.is_moe and index not in args.dense_layers:
+            self.mlp = MoEBlock(shard, ops, tp)
+        else:
+            self.mlp = MLP(shard, ops, tp)
+        # Gemma: the attention and MLP outputs are normed before they join the residual
+        # stream (post_attention_layernorm then plays that role), and the MLP's input norm
+        # is pre_feedforward_layernorm.
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -143,6 +207,10 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
+            h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -155,23 +223,39 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         ops: LayerOps = TorchOps,
         tp: TPGroup | None = None,
+        stage: Stage | None = None,
     ) -> None:
-        """``tp``: this rank's group (None: one process holds the whole model)."""
+        """``tp``: this rank's group (None: one process holds the whole model).
+        ``stage``: the pipeline stage this module is (None: every layer; docs/design.md
+        §3 "Pipeline parallelism"): only its layers, the embedding on the first stage,
+        the final norm and LM head on the last."""
         super().__init__()
         self.args = args
+        self.stage = stage = stage or Stage.whole(args.num_layers)
         self.tp = tp or TPGroup.single()
         self.shard = shard = Shard(args, self.tp.rank, self.tp.size)
         rope = RotaryEmbedding(
             args.head_dim, max_positions, args.rope_theta, args.rope_scaling, ops
         )
-        self.embed_tokens = VocabParallelEmbedding(shard, self.tp)
+        # Gemma 3's windowed layers rotate with their own (local, unscaled) base.
+        local = rope
+        if args.local_rope_theta is not None:
+            local = RotaryEmbedding(args.head_dim, max_positions, args.local_rope_theta, {}, ops)
+        self.rope_local = local
+        self.ops = ops  # the LM head's matmul (``LayerOps.logits``)
+        self.embed_tokens = VocabParallelEmbedding(shard, self.tp) if stage.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(shard, rope, backend, self.tp) for _ in range(args.num_layers)
+            DecoderLayer(shard, local if i in args.local_layers else rope, backend, self.tp, i)
+            for i in stage.layers
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops) if stage.is_last else None
+        self.lm_head = (
+            nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False) if stage.is_last else None
+        )
+        # The head is the embedding's own tensor only when one stage holds both.
+        self.ties_head = args.tie_word_embeddings and stage.size == 1
+        if self.ties_head:
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[union-attr]
         self.rope = rope
 
     def forward(
@@ -180,74 +264,45 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` of the flattened batch."""
-        x = self.embed_tokens(input_ids)
+        """Hidden states ``[num_tokens, hidden]`` of the flattened batch. A pipeline stage
+        (``self.stage``) that is not the first starts from ``carried`` (the previous
+        stage's ``[2, num_tokens, hidden]``: its last output and the residual stream; zeros
+        when None, for a profiling pass) instead of ``input_ids``, and one that is not the
+        last returns that pair for the next stage instead of the normed hidden states.
+        ``kv_cache`` holds this stage's layers only."""
         residual: torch.Tensor | None = None
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(input_ids)
+            if self.args.embed_scale:
+                # Gemma: sqrt(hidden) rounded to the model dtype, as transformers does.
+                # (a Python float: nothing on the host inside a captured CUDA graph)
+                x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype).item()
+        else:
+            if carried is None:
+                dtype = next(self.layers.parameters()).dtype  # the first norm: model dtype
+                shape = (2, positions.shape[0], self.args.hidden_size)
+                carried = torch.zeros(shape, dtype=dtype, device=positions.device)
+            x, residual = carried[0], carried[1]
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_cache[i], meta)
+        if self.norm is None:
+            assert residual is not None  # a stage has at least one layer
+            return torch.stack((x, residual))
         if residual is None:  # a model with no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` (all-gathered from the ranks' vocab slices)."""
-        return gather_logits(self.tp, self.lm_head(hidden), self.args.vocab_size).float()
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
+        local = self.ops.logits(hidden, self.lm_head.weight)
+        logits = gather_logits(self.tp, local, self.args.vocab_size).float()
+        cap = self.args.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the merged layout; every parameter must be set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        a, sh = self.args, self.shard
-        q_size, kv_size = sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim
-        inter = sh.intermediate_size
-        shards = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
-        }
-        for vocab_param in (self.embed_tokens.weight, self.lm_head.weight):
-            vocab_param.data.zero_()  # the vocab slice's padding rows stay zero
-        for hf_name, full in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and a.tie_word_embeddings:
-                continue
-            tensor = sh.slice_checkpoint(name, full)
-            for shard, (merged, offset, size) in shards.items():
-                if f".{shard}." in name:
-                    name = name.replace(shard, merged)
-                    param = params[name]
-                    param.data[offset : offset + size].copy_(tensor)
-                    loaded.add(f"{name}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-                dest: torch.Tensor = params[name].data
-                if name in ("embed_tokens.weight", "lm_head.weight"):
-                    dest = dest[: tensor.shape[0]]  # the last vocab slice may be short
-                dest.copy_(tensor)
-                loaded.add(name)
-        self._check_complete(params, loaded)
-
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
-                base = name
-                need = [f"{base}#q_proj", f"{base}#k_proj", f"{base}#v_proj"]
-            elif "gate_up_proj" in name:
-                need = [f"{name}#gate_proj", f"{name}#up_proj"]
-            else:
-                need = [name]
-            missing += [n for n in need if n not in loaded]
-        if missing:
-            raise ValueError(
-                f"checkpoint is missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}"
-            )
+        """Copy Hugging Face-named tensors into the merged layout; every parameter must be
+        set (engine/models/weights.py)."""
+        load_checkpoint(self, weights)

@@ -5,6 +5,10 @@
   SiLU·mul run on local heads/columns with no communication.
 * o and down are row-parallel: rank ``r`` holds the matching input rows; each produces a
   partial sum of the full hidden vector, and one all-reduce per projection adds them.
+* MoE experts (engine/models/moe.py) shard the same way, each expert on its own: rank
+  ``r`` holds columns ``[r * I / size, (r + 1) * I / size)`` of every expert's gate|up and
+  the matching rows of its down projection; the router is replicated, and the expert
+  outputs' partial sums join the same single all-reduce.
 * The embedding and the LM head are vocab-parallel: rank ``r`` holds a contiguous slice of
   ``ceil(vocab / size)`` rows (the last slice zero-padded). The embedding zeroes tokens
   outside its slice and all-reduces; the LM head's logits are all-gathered and the padding
@@ -24,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.tp_group import TPGroup
 from engine.models.config import ModelArgs
-from engine.tp_group import TPGroup
 
 
 def check_tensor_parallel(args: ModelArgs, size: int) -> None:
@@ -45,8 +49,14 @@ def check_tensor_parallel(args: ModelArgs, size: int) -> None:
             f"it is not a multiple of num_key_value_heads {kv} (KV heads are replicated "
             "only when the size is a multiple of their number)"
         )
-    if args.intermediate_size % size:
+    dense = not args.is_moe or bool(args.dense_layers)
+    if dense and args.intermediate_size % size:
         problems.append(f"intermediate_size {args.intermediate_size} is not divisible by it")
+    if args.is_moe and args.moe_intermediate_size % size:
+        # Megatron-style expert sharding: each rank holds a slice of every expert.
+        problems.append(
+            f"moe_intermediate_size {args.moe_intermediate_size} is not divisible by it"
+        )
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not fit this model: " + "; ".join(problems)
@@ -79,6 +89,11 @@ class Shard:
     @property
     def intermediate_size(self) -> int:
         return self.args.intermediate_size // self.size
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Each expert's intermediate columns on this rank (every rank holds every expert)."""
+        return self.args.moe_intermediate_size // self.size
 
     @property
     def vocab_per_rank(self) -> int:

@@ -32,10 +32,10 @@ MAX_ROWS = 4  # the kernel unrolls one accumulator per row of x
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SMS = 132  # H200; only sizes the default grid, any GPU runs any config
 
-# Measured winners, keyed (N, K, M, element bytes); benchmarks/gemv_sweep.py prints the
+# Measured winners, keyed (N, K, M, element bytes); benchmarks/gpu/gemv_sweep.py prints the
 # entries to paste here. Shapes not listed use the heuristic in gemv_config.
 _TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
-    # Llama-3.1-8B at batch 1, bf16, H200 (benchmarks/gemv_h200.json; us with L2 flushed).
+    # Llama-3.1-8B at batch 1, bf16, H200 (benchmarks/results/gpu/gemv_h200.json; us with L2 flushed).
     (6144, 4096, 1, 2): (4, 512, 2, 4),  # qkv: 20.38 us vs cuBLAS 22.45 us
     (4096, 4096, 1, 2): (8, 512, 4, 4),  # o: 15.94 us vs cuBLAS 18.69 us
     (28672, 4096, 1, 2): (4, 1024, 4, 1),  # gate_up: 65.34 us vs cuBLAS 71.01 us
@@ -51,7 +51,7 @@ def prefers_cublas(n: int, k: int, m: int, dtype: torch.dtype) -> bool:
 
 
 def load_sweep(path: str) -> None:
-    """Take ``benchmarks/gemv_sweep.py``'s JSON as the table (benchmarks: measure with a
+    """Take ``benchmarks/gpu/gemv_sweep.py``'s JSON as the table (benchmarks: measure with a
     sweep's winners before pasting them into ``_TUNED``)."""
     import json
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.config.speculative import SpeculativeConfig
+from engine.core.request import Request
 from engine.models import ModelArgs
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.spec_decode.config import SpeculativeConfig
+from engine.sampling.sampler import Sampler
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import Emit, verify

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.config.speculative import SpeculativeConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledRequest
+from engine.executor.model_runner import ModelRunner
 from engine.models import ModelArgs
-from engine.request import Request
-from engine.sampler import filter_logits
-from engine.scheduler import ScheduledRequest
-from engine.spec_decode.config import SpeculativeConfig
+from engine.sampling.sampler import filter_logits
 from engine.spec_decode.verify import draw_from, seeded_generator, spec_seed
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def check_compatible(
 
 def same_vocab(target_tokenizer: object, draft_dir: str) -> bool:
     """True when the draft directory's tokenizer maps tokens to the same ids (or has none)."""
-    from engine.detokenizer import load_tokenizer
+    from engine.core.detokenizer import load_tokenizer
 
     draft_tok = load_tokenizer(draft_dir)
     if draft_tok is None or target_tokenizer is None:

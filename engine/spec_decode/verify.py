@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.outputs import TokenLogprob
+from engine.core.request import Request
+from engine.sampling.sampler import Sampler
 
 # emit(token, logprob) appends a token to the request; True = the request stops there.
 Emit = Callable[[int, TokenLogprob | None], bool]

@@ -143,8 +143,8 @@ class P2PWithStore(KVConnector):
         return [r]
 
     def stats(self) -> ConnectorStats:
-        """The two connectors' counters, summed (per-connector figures: ``p2p_stats`` and
-        the store's own)."""
+        """The two connectors' counters, summed (per-connector figures: ``transport_stats``
+        and the store's own)."""
         a, b = self.p2p.stats(), self.store.stats()
         failures = dict(a.failures)
         for reason, n in b.failures.items():
@@ -152,8 +152,8 @@ class P2PWithStore(KVConnector):
         summed = {f: getattr(a, f) + getattr(b, f) for f in _NUMERIC}
         return ConnectorStats(**summed, failures=failures)
 
-    def p2p_stats(self) -> P2PStats:
-        return self.p2p.p2p_stats()
+    def transport_stats(self) -> P2PStats:
+        return self.p2p.transport_stats()
 
     def close(self) -> None:
         self.p2p.close()

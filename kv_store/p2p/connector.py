@@ -236,7 +236,7 @@ class P2PConnector(KVConnector):
     def stats(self) -> ConnectorStats:
         return self.counters.snapshot()
 
-    def p2p_stats(self) -> P2PStats:
+    def transport_stats(self) -> P2PStats:
         """Leases (held, pinned, blocks held, ends by reason) and transfer times."""
         return self.p2p.snapshot()
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kv_store.record import byte_view
+from kv_store.base import byte_view
 
 _DTYPES = {
     "float32": torch.float32,

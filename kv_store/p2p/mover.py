@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from kv_store.base import byte_view
 from kv_store.p2p.group import PairGroup
-from kv_store.record import byte_view
 
 DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
 

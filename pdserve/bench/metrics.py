@@ -35,6 +35,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     e2e: float = 0.0
     timings: dict[str, float] | None = None  # router's per-phase timings, when asked
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
 
     @property
     def ttft(self) -> float | None:
@@ -92,9 +93,15 @@ class Summary:
     itl_ms: Stats | None
     e2e_ms: Stats | None
     phase_ms: dict[str, Stats]
+    cached_tokens: int = 0  # prompt tokens the servers' prefix caches served
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the prompt tokens served from a prefix cache (what the server reports)."""
+        return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -206,6 +213,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo | No
         itl_ms=stats_ms(itls),
         e2e_ms=stats_ms([r.e2e for r in done]),
         phase_ms=summarize_phases(done),
+        cached_tokens=sum(r.cached_tokens for r in done),
     )
 
 

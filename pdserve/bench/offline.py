@@ -10,7 +10,7 @@ Like vLLM's `vllm bench throughput/latency`: a fixed, seeded set of random-token
   untimed and then ``--num-iters`` times timed; report end-to-end batch latency.
 
 Both print a table and write ``--output-json`` when given. Programmatic use (the CPU
-benchmark in ``benchmarks/engine_cpu.py`` does this): ``build_engine`` + ``run_throughput``.
+benchmark in ``benchmarks/engine/engine_cpu.py`` does this): ``build_engine`` + ``run_throughput``.
 Torch is imported only when a command runs, so registering the parsers stays light.
 """
 
@@ -106,28 +106,18 @@ def random_prompts(
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """An LLMEngine from the shared flags (``--model`` resolved via common.models)."""
-    from common.models import resolve_model
-    from engine.config import EngineConfig
+    """An LLMEngine from the shared flags (``--model`` resolved via common.models), built
+    the way the services build theirs (``EngineArgs.create_engine_config``)."""
+    from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
 
-    kwargs: dict[str, Any] = dict(
-        model=resolve_model(args.model),
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-    )
-    if args.kv_cache_memory is not None:
-        kwargs["kv_cache_memory"] = args.kv_cache_memory
-    return LLMEngine(EngineConfig(**kwargs))
+    values = {name: getattr(args, name) for name in (*ENGINE_SETTINGS, "device")}
+    # No KV events: nothing here would read them (only a service's publisher drains them).
+    return LLMEngine(EngineArgs(**values, no_kv_events=True).create_engine_config())
 
 
 def _greedy_fixed_length(output_len: int) -> Any:
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     # Greedy with ignore_eos: every request produces exactly output_len tokens.
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -263,8 +253,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# The engine settings the offline benchmarks take, mirrored from the services' (engine/args.py:
+# same flag, type, choices and default) but without env twins: a benchmark's result depends
+# on its command line alone.
+ENGINE_SETTINGS = (
+    "model",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "no_prefix_caching",
+    "dtype",
+    "load_format",
+    "seed",
+)
+
+
 def _add_engine_args(p: argparse.ArgumentParser, *, num_prompts: bool) -> None:
-    p.add_argument("--model", default="smollm2", help="known model name or local HF directory")
+    from engine.args import EngineArgs
+
+    for name in ENGINE_SETTINGS:
+        EngineArgs.setting(name).add_plain(p)
     if num_prompts:
         p.add_argument("--num-prompts", type=_positive_int, default=64)
         p.add_argument(
@@ -275,19 +283,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_prompts: bool) -> None:
         )
     p.add_argument("--input-len", type=_positive_int, default=256)
     p.add_argument("--output-len", type=_positive_int, default=128)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    p.add_argument(
-        "--kv-cache-memory",
-        type=_positive_int,
-        default=None,
-        help="KV cache bytes on CPU (default: the engine's)",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    # Any torch device, where the services take cpu or cuda (one process, one GPU each).
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", help="write the result to this JSON file")
 
 

@@ -148,8 +148,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--dataset-path", help="JSONL file for --dataset-name jsonl")
     w.add_argument("--input-len", default="256", help="tokens: N or LOW:HIGH (uniform)")
     w.add_argument("--output-len", default="64", help="tokens: N or LOW:HIGH (uniform)")
-    w.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (prefix)")
-    w.add_argument("--num-prefixes", type=int, default=4, help="prefix groups (prefix)")
+    w.add_argument(
+        "--prefix-len", type=int, default=256, help="shared prefix tokens (prefix; chat: system)"
+    )
+    w.add_argument("--num-prefixes", type=int, default=4, help="prefix groups (prefix, chat)")
+    w.add_argument("--num-turns", type=int, default=4, help="turns per conversation (chat)")
     w.add_argument("--seed", type=int, default=0)
 
 
@@ -180,6 +183,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--base-url", default="http://127.0.0.1:8000")
     t.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
     t.add_argument("--model", help="model name sent in the body (default: first of /v1/models)")
+    t.add_argument(
+        "--lora-models",
+        type=lambda s: tuple(n for n in s.split(",") if n),
+        default=(),
+        help="comma list of LoRA adapter names: each prompt goes to one of --model and these "
+        "(a mixed-adapter workload, docs/lora.md)",
+    )
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--request-timings", action="store_true", help='ask for "pdserve_timings"')
     add_workload_args(p)
@@ -209,6 +219,7 @@ def workload_load_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Loa
         output_len=args.output_len,
         prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes,
+        num_turns=args.num_turns,
         path=args.dataset_path,
         seed=args.seed,
     )
@@ -237,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         timeout_s=args.request_timeout,
         request_timings=args.request_timings,
         temperature=args.temperature,
+        lora_models=args.lora_models,
     )
     return ServeConfig(
         target=target,

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,16 @@ class Target:
     request_timings: bool = False
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # A mixed-adapter workload (docs/lora.md): each prompt goes to one of ``model`` and
+    # these LoRA adapter names, picked from the prompt's text (the same prompt, the same
+    # model, run after run).
+    lora_models: tuple[str, ...] = ()
+
+    def model_for(self, prompt: Prompt) -> str:
+        if not self.lora_models:
+            return self.model
+        names = (self.model, *self.lora_models)
+        return names[zlib.crc32(prompt.text.encode()) % len(names)]
 
     def validate(self) -> None:
         """Raise ValueError on a bad endpoint, URL or timeout."""
@@ -62,7 +73,7 @@ class Target:
 def build_body(target: Target, prompt: Prompt) -> dict[str, Any]:
     """The JSON body for one streamed request; `ignore_eos` keeps output lengths fixed."""
     body: dict[str, Any] = {
-        "model": target.model,
+        "model": target.model_for(prompt),
         "max_tokens": prompt.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -139,6 +150,9 @@ def _finish(rec: RequestRecord, state: _StreamState, codec: TextCodec | None) ->
     timings = usage.get("pdserve_timings")
     if isinstance(timings, dict):
         rec.timings = {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
     if isinstance(usage.get("completion_tokens"), int):
         rec.output_tokens = usage["completion_tokens"]
     elif codec is not None:

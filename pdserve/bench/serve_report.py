@@ -44,6 +44,7 @@ def format_summary(summary: Summary, title: str = "Serving Benchmark Result") ->
         _row("Benchmark duration (s):", summary.duration_s),
         _row("Total input tokens:", summary.input_tokens),
         _row("Total generated tokens:", summary.output_tokens),
+        _row("Prefix cache hit rate:", summary.prefix_hit_rate),
         _row("Request throughput (req/s):", summary.request_throughput),
         _row("Output token throughput (tok/s):", summary.output_throughput),
         _row("Total token throughput (tok/s):", summary.total_token_throughput),

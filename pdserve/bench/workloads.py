@@ -8,6 +8,9 @@ Kinds:
 - `prefix`: `num_prefixes` groups; every prompt is its group's shared random prefix of
   `prefix_len` tokens, a newline, then a unique random suffix of `input_len` tokens (to
   study prefix caching and prefix-aware routing).
+- `chat`: multi-turn conversations over `num_prefixes` shared system prompts of
+  `prefix_len` tokens, `num_turns` turns each, every turn's prompt the previous one plus
+  an answer and a new user message of `input_len` tokens (`pdserve/bench/workloads_chat.py`).
 - `jsonl`: one JSON object per line, `{"prompt": str, "max_tokens": int (optional)}`.
 Lengths are measured with the tokenizer (re-encoding decoded text can merge tokens, so a
 prompt's `prompt_len` is what the tokenizer counts for its final text).
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-KINDS = ("random", "sharegpt", "prefix", "jsonl")
+KINDS = ("random", "sharegpt", "prefix", "chat", "jsonl")
 # Without a tokenizer, prompts are made of these words, one "token" each.
 # fmt: off
 _WORDS = (
@@ -146,6 +149,7 @@ class WorkloadSpec:
     output_len: str = "64"
     prefix_len: int = 256
     num_prefixes: int = 4
+    num_turns: int = 4  # chat: turns per conversation
     path: str | None = None
     seed: int = 0
 
@@ -157,8 +161,10 @@ class WorkloadSpec:
             raise ValueError(f"number of prompts must be >= 1, got {self.num_prompts}")
         LengthRange.parse(self.input_len, "input length")
         LengthRange.parse(self.output_len, "output length")
-        if self.kind == "prefix" and (self.prefix_len < 1 or self.num_prefixes < 1):
-            raise ValueError("prefix workload needs prefix_len >= 1 and num_prefixes >= 1")
+        if self.kind in ("prefix", "chat") and (self.prefix_len < 1 or self.num_prefixes < 1):
+            raise ValueError(f"{self.kind} workload needs prefix_len >= 1 and num_prefixes >= 1")
+        if self.kind == "chat" and self.num_turns < 1:
+            raise ValueError(f"chat workload needs num_turns >= 1, got {self.num_turns}")
         if self.kind == "jsonl" and not self.path:
             raise ValueError("jsonl workload needs a path (--dataset-path)")
 
@@ -191,6 +197,10 @@ def build_prompts(spec: WorkloadSpec, codec: TextCodec) -> list[Prompt]:
         return _sharegpt_prompts(spec, codec, rng, in_range, out_range)
     if spec.kind == "prefix":
         return _prefix_prompts(spec, codec, rng, in_range, out_range)
+    if spec.kind == "chat":
+        from pdserve.bench.workloads_chat import chat_prompts
+
+        return chat_prompts(spec, codec, rng, in_range, out_range)
     prompts = []
     for _ in range(spec.num_prompts):
         text, n = random_text(codec, in_range.sample(rng), rng)

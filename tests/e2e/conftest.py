@@ -21,8 +21,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     procs = ProcessStack(root / "logs", tiny_model_dir)
     conn = ("--connector", "fs", "--kv-path", str(kv))
     try:
-        prefill = procs.service("prefill", connector_args=conn)
-        decode = procs.service("decode", connector_args=conn)
+        prefill, decode = procs.together(
+            lambda: procs.service("prefill", connector_args=conn),
+            lambda: procs.service("decode", connector_args=conn),
+        )
         common = [
             "--health-interval",
             "0.5",
@@ -31,9 +33,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             "--max-prompt-tokens",
             "256",
         ]
-        disagg = procs.router(prefill=[prefill], decode=[decode], extra_args=common)
-        colocated = procs.router(prefill=[], decode=[decode], mode="colocated", extra_args=common)
-        auto = procs.router(prefill=[prefill], decode=[decode], mode="auto", extra_args=common)
+        disagg, colocated, auto = procs.together(
+            lambda: procs.router(prefill=[prefill], decode=[decode], extra_args=common),
+            lambda: procs.router(decode=[decode], mode="colocated", extra_args=common),
+            lambda: procs.router(
+                prefill=[prefill], decode=[decode], mode="auto", extra_args=common
+            ),
+        )
         yield Stack(prefill, decode, disagg, colocated, auto, tiny_model_dir)
     finally:
         procs.close()

@@ -12,7 +12,7 @@ import grpc
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
 from tests.service_fixtures import ServiceProcess
 
 

@@ -102,8 +102,8 @@ def test_seeded_sampling_is_reproducible_and_choices_differ(stack: Stack) -> Non
 
 
 def test_greedy_parity_disaggregated_colocated_offline(stack: Stack) -> None:
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     prompts = [PROMPT, "Once upon a time", "1, 2, 3, 4,"]
     disagg = [
@@ -202,8 +202,8 @@ def test_batch_prompts_with_n_and_echo(stack: Stack) -> None:
 def test_sampling_parameters_reach_the_engine(stack: Stack) -> None:
     """Seeded sampling with every knob set: the router (both modes) matches the offline
     engine token for token, so no parameter is lost or altered on the way."""
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     knobs = {
         "temperature": 0.9,
@@ -243,8 +243,8 @@ def test_sampling_parameters_reach_the_engine(stack: Stack) -> None:
 def test_logit_bias_forces_and_bans_tokens(stack: Stack) -> None:
     """+100 on a token makes greedy decoding emit only it (completions and chat, both
     modes, as the offline engine does); -100 on greedy's own first token changes it."""
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4)
     forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={1000: 100})
@@ -275,8 +275,8 @@ def test_logit_bias_forces_and_bans_tokens(stack: Stack) -> None:
 def test_first_token_split_utf8_character(stack: Stack) -> None:
     """A first token that is half a UTF-8 character: the router holds the replacement
     character back and derives the text itself, matching the offline engine's text."""
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM(str(stack.model_dir), num_kv_blocks=512, max_num_seqs=64)
     proc = PromptProcessor.from_model_dir(stack.model_dir)
@@ -336,8 +336,8 @@ def test_unseeded_batch_prompts_sample_independently(stack: Stack) -> None:
 def test_min_tokens_holds_stop_tokens_back(stack: Stack) -> None:
     """``min_tokens`` reaches the prefill (its first token) and the decode: a stop id that
     greedy emits first is masked until the 4th token, as in the offline engine."""
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM(str(stack.model_dir), num_kv_blocks=64, max_num_seqs=4)
     first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]

@@ -40,21 +40,26 @@ def faults(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     procs = ProcessStack(root / "logs", tiny_model_dir)
     conn = ("--connector", "fs", "--kv-path", str(kv))
     try:
-        prefill = [procs.service("prefill", connector_args=conn) for _ in range(2)]
-        decode = [procs.service("decode", connector_args=conn) for _ in range(2)]
+        started = procs.together(
+            *[lambda: procs.service("prefill", connector_args=conn)] * 2,
+            *[lambda: procs.service("decode", connector_args=conn)] * 2,
+        )
+        prefill, decode = started[:2], started[2:]
         common = ["--served-model-name", "tiny", "--health-timeout", "0.5"]
-        router = procs.router(
-            prefill=prefill, decode=decode, extra_args=[*common, "--health-interval", "0.5"]
-        )
-        slow = procs.router(
-            prefill=prefill,
-            decode=decode,
-            extra_args=[*common, "--health-interval", "60", "--prefill-policy", "round_robin"],
-        )
-        rr = procs.router(
-            prefill=prefill,
-            decode=decode,
-            extra_args=[*common, "--health-interval", "0.5", "--prefill-policy", "round_robin"],
+        router, slow, rr = procs.together(
+            lambda: procs.router(
+                prefill=prefill, decode=decode, extra_args=[*common, "--health-interval", "0.5"]
+            ),
+            lambda: procs.router(
+                prefill=prefill,
+                decode=decode,
+                extra_args=[*common, "--health-interval", "60", "--prefill-policy", "round_robin"],
+            ),
+            lambda: procs.router(
+                prefill=prefill,
+                decode=decode,
+                extra_args=[*common, "--health-interval", "0.5", "--prefill-policy", "round_robin"],
+            ),
         )
         yield Faults(prefill, decode, router, slow, rr)
     finally:

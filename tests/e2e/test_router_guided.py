@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.e2e.router_support import complete as support_complete
-from tests.e2e.router_support import openai_client, scrape
+from tests.e2e.router_support import metric, openai_client, scrape
 from tests.service_fixtures import ProcessStack, ServiceProcess
 from tests.unit.test_launcher_gpus import flag, plan
 
@@ -27,6 +27,8 @@ class Stack:
     router: ServiceProcess  # prefill + plain decode
     spec_router: ServiceProcess  # the same prefill + a speculative decode
     spec_decode: ServiceProcess
+    prefill: ServiceProcess
+    decode: ServiceProcess
 
     def client(self, router: ServiceProcess | None = None) -> openai.OpenAI:
         return openai_client((router or self.router).url)
@@ -38,20 +40,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     kv = root / "kv"
     kv.mkdir()
     procs = ProcessStack(root / "logs", tiny_model_dir)
-    conn = ("--connector", "fs", "--kv-path", str(kv))
+    # The engines share compiled grammars (engine/sampling/grammar_share.py).
+    conn = ("--connector", "fs", "--kv-path", str(kv), "--guided-cache-dir", str(root / "g"))
     common = ["--served-model-name", "tiny", "--max-prompt-tokens", "256"]
     try:
-        prefill = procs.service("prefill", connector_args=conn)
-        decode = procs.service("decode", connector_args=conn)
-        spec_decode = procs.service(
-            "decode",
-            connector_args=conn,
-            extra_args=["--speculative", "ngram:k=4"],
-            name="decode-spec",
+        prefill, decode, spec_decode = procs.together(
+            lambda: procs.service("prefill", connector_args=conn),
+            lambda: procs.service("decode", connector_args=conn),
+            lambda: procs.service(
+                "decode",
+                connector_args=conn,
+                extra_args=["--speculative", "ngram:k=4"],
+                name="decode-spec",
+            ),
         )
-        router = procs.router(prefill=[prefill], decode=[decode], extra_args=common)
-        spec_router = procs.router(prefill=[prefill], decode=[spec_decode], extra_args=common)
-        yield Stack(router, spec_router, spec_decode)
+        router, spec_router = procs.together(
+            lambda: procs.router(prefill=[prefill], decode=[decode], extra_args=common),
+            lambda: procs.router(prefill=[prefill], decode=[spec_decode], extra_args=common),
+        )
+        yield Stack(router, spec_router, spec_decode, prefill, decode)
     finally:
         procs.close()
 
@@ -65,6 +72,26 @@ def test_guided_choice(stack: Stack) -> None:
     out = complete(stack.client(), max_tokens=8, extra_body={"guided_choice": choices})
     assert out.choices[0].text in choices
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_one_compile_serves_the_prefill_and_the_decode(stack: Stack) -> None:
+    """The prefill compiles the guide for the first token and leaves it in the shared
+    directory; the decode that continues the request loads it instead of compiling."""
+
+    def compiles(service: ServiceProcess, source: str) -> float:
+        return metric(service.metrics_url, "pdserve_guided_compiles_total", source=source)
+
+    before = {
+        (name, source): compiles(service, source)
+        for name, service in (("prefill", stack.prefill), ("decode", stack.decode))
+        for source in ("compiled", "shared")
+    }
+    choices = ["alpha beta gamma delta one", "epsilon zeta eta theta two"]
+    out = complete(stack.client(), max_tokens=48, extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices
+    assert compiles(stack.prefill, "compiled") == before["prefill", "compiled"] + 1
+    assert compiles(stack.decode, "shared") == before["decode", "shared"] + 1
+    assert compiles(stack.decode, "compiled") == before["decode", "compiled"]
 
 
 def test_guided_regex_full_match(stack: Stack) -> None:

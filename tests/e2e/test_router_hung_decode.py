@@ -40,16 +40,20 @@ def hung(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
     procs = ProcessStack(root / "logs", tiny_model_dir)
     conn = ("--connector", "fs", "--kv-path", str(kv))
     try:
-        prefill = procs.service("prefill", connector_args=conn)
-        decode = [procs.service("decode", connector_args=conn) for _ in range(2)]
-        common = ["--served-model-name", "tiny", "--health-timeout", "0.5"]
-        health = procs.router(
-            prefill=[prefill], decode=decode, extra_args=[*common, "--health-interval", "0.5"]
+        prefill, *decode = procs.together(
+            lambda: procs.service("prefill", connector_args=conn),
+            *[lambda: procs.service("decode", connector_args=conn)] * 2,
         )
-        idle = procs.router(
-            prefill=[prefill],
-            decode=decode,
-            extra_args=[*common, "--health-interval", "600", "--stream-idle-timeout", "3"],
+        common = ["--served-model-name", "tiny", "--health-timeout", "0.5"]
+        health, idle = procs.together(
+            lambda: procs.router(
+                prefill=[prefill], decode=decode, extra_args=[*common, "--health-interval", "0.5"]
+            ),
+            lambda: procs.router(
+                prefill=[prefill],
+                decode=decode,
+                extra_args=[*common, "--health-interval", "600", "--stream-idle-timeout", "3"],
+            ),
         )
         yield Hung(decode, health, idle)
     finally:

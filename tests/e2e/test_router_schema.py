@@ -40,8 +40,10 @@ def fuzz_router(
     procs = ProcessStack(root / "logs", tiny_model_dir)
     conn = ("--connector", "fs", "--kv-path", str(kv))
     try:
-        prefill = procs.service("prefill", connector_args=conn)
-        decode = procs.service("decode", connector_args=conn)
+        prefill, decode = procs.together(
+            lambda: procs.service("prefill", connector_args=conn),
+            lambda: procs.service("decode", connector_args=conn),
+        )
         yield procs.router(
             prefill=[prefill],
             decode=[decode],

@@ -56,8 +56,10 @@ def outage(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     procs = ProcessStack(root / "logs", tiny_model_dir)
     conn = ("--connector", "redis", "--redis-url", url)
     try:
-        prefill = procs.service("prefill", connector_args=conn)
-        decode = procs.service("decode", connector_args=conn)
+        prefill, decode = procs.together(
+            lambda: procs.service("prefill", connector_args=conn),
+            lambda: procs.service("decode", connector_args=conn),
+        )
         router = procs.router(
             prefill=[prefill],
             decode=[decode],

@@ -47,7 +47,7 @@ def _meta(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
     from engine.attention.triton_backend import TritonAttention
-    from engine.cuda_graphs import DecodeGraphs, default_buckets
+    from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
     from engine.models import ModelArgs, build_model
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -114,7 +114,7 @@ def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
 
 
 def test_buckets_and_refusals() -> None:
-    from engine.cuda_graphs import DecodeGraphs, default_buckets
+    from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
 
     assert default_buckets(1) == [1]
     assert default_buckets(20) == [1, 2, 4, 8, 16, 20]

@@ -87,7 +87,7 @@ def test_tiny_fp32_greedy_matches_transformers(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     seed = int.from_bytes(os.urandom(4), "little") % 10_000
     rng = random.Random(seed)
@@ -133,7 +133,7 @@ def test_tiny_fp32_greedy_matches_transformers(
 def test_async_scheduling_matches_sync_with_sampling(tmp_path: Path) -> None:
     """Seeded sampling with logprobs and mixed lengths on the graphed GPU engine: the async
     pipeline (tokens fed on the device, copies in flight) gives the synchronous outputs."""
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     model_dir = _save_random_llama(tmp_path / "tiny", TINY, torch.float32, 3)
     rng = random.Random(3)
@@ -165,7 +165,7 @@ def test_async_scheduling_matches_sync_with_sampling(tmp_path: Path) -> None:
 def test_llama_1b_bf16_logprobs_close_to_transformers(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     seed = int.from_bytes(os.urandom(4), "little") % 10_000
     rng = random.Random(seed)

@@ -7,7 +7,7 @@
   with chunked prefill, a shared prefix and decode CUDA graphs.
 
 Skipped, with the reason, where no CUDA GPU is present or the ``flash-attn-4`` package is
-not installed (benchmarks/fa4_wheels.sh fetches the wheels for the GPU image).
+not installed (benchmarks/gpu/fa4_wheels.sh fetches the wheels for the GPU image).
 """
 
 from __future__ import annotations
@@ -197,8 +197,8 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], new: int) -> list[tupl
 
 def _engine_greedy(model_dir: Path, backend: str, prompts: list[list[int]], new: int) -> list:
     from engine.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(
         model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,

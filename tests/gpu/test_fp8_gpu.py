@@ -161,8 +161,8 @@ def _save_random_llama(out: Path, seed: int) -> Path:
 
 def test_small_model_fp8_against_bf16(tmp_path: Path) -> None:
     from engine.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from tests.fp8_support import logit_stats, prefill_logits
 
     model_dir = _save_random_llama(tmp_path / "tiny", 7)
@@ -201,3 +201,17 @@ def test_small_model_fp8_against_bf16(tmp_path: Path) -> None:
         total += len(out)
     print(f"graphed FP8 engine greedy vs bf16 argmax: {agree}/{total}")
     assert agree >= 0.85 * total
+
+
+def test_activation_quant_kernel_matches_torch() -> None:
+    """The one-launch activation quantization (engine/models/triton_fp8_quant.py) equals
+    ``quantize_rows`` on the GPU, where both round to nearest even: scales to float32
+    rounding, no lost carry, at most one e4m3 step apart on a rare boundary element."""
+    from tests.unit.test_fp8_quant_kernel import run_cases as run_quant_cases
+
+    for case, r in run_quant_cases("cuda").items():
+        assert r["dtype_ok"] == 1.0, case
+        assert r["scale_rel_err"] <= 2.0**-22, (case, r)
+        assert r["carry_lost"] == 0.0, (case, r)
+        assert r["max_steps"] <= 1.0, (case, r)
+        assert r["mismatch_fraction"] <= 0.002, (case, r)

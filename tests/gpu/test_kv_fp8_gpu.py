@@ -8,7 +8,6 @@ teacher-forced logits and greedy tokens with an fp8 cache against a bfloat16 one
 from __future__ import annotations
 
 import gc
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,14 +66,15 @@ def _free_gpu_memory() -> Iterator[None]:
 
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_fp8_kernels_match_reference_on_gpu(name: str) -> None:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = 1000 + list(GPU_CASES).index(name)  # fixed: a failure reruns the same inputs
     res = run_case(GPU_CASES[name], seed, "cuda")
     print(f"{name} seed={seed}: {res}")
     check_case(name, res, GPU_CASES[name][6])
 
 
-def test_fused_rope_store_fp8_on_gpu() -> None:
-    res = run_rope_store_case(int.from_bytes(os.urandom(4), "little"), "cuda", "bfloat16")
+@pytest.mark.parametrize("seed", [3, 17, 2024])
+def test_fused_rope_store_fp8_on_gpu(seed: int) -> None:
+    res = run_rope_store_case(seed, "cuda", "bfloat16")
     print(res)
     assert res["untouched_changed"] == 0, res
     # The GPU folds one rounded bf16 product into an FMA (tests/gpu/test_rope_store_kv_gpu.py),
@@ -96,13 +96,13 @@ def _save_random_llama(out: Path, seed: int) -> Path:
     return out
 
 
-def test_small_llama_fp8_kv_agreement(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [7, 1234])
+def test_small_llama_fp8_kv_agreement(tmp_path: Path, seed: int) -> None:
     from engine.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from tests.unit.kv_fp8_support import check_agreement, compare, run_sequence
 
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
     model = _save_random_llama(tmp_path / "small", seed)
 
     def engine(kv: str) -> LLMEngine:

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
+from engine.executor.tp.executor import TensorParallelError
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.tp_executor import TensorParallelError
 
 pytestmark = pytest.mark.gpu
 

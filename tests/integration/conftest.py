@@ -30,3 +30,21 @@ def workers(tmp_path: Path) -> Iterator[Any]:
             if w.proc.poll() is None:
                 w.kill(signal.SIGCONT)
             w.stop()
+
+
+@pytest.fixture
+def engine_factory(tiny_model_dir: Path) -> Iterator[Any]:
+    """``make(**config)`` builds an ``LLMEngine`` on the tiny model with 64 KV blocks and
+    the given ``EngineConfig`` fields; all are shut down after the test."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    made: list[LLMEngine] = []
+
+    def make(**kw: object) -> LLMEngine:
+        made.append(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, **kw)))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()

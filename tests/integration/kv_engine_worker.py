@@ -20,9 +20,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from engine.config import EngineConfig
+    from engine.core.request import RemoteKV
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.request import RemoteKV
-    from engine.sampling_params import SamplingParams
     from kv_store.factory import KVStoreSettings, build_connector
 
     settings = KVStoreSettings(**json.loads(settings_json))

@@ -28,8 +28,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from engine.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from kv_store.factory import KVStoreSettings, build_connector
 
     kv_cache_dtype = settings.pop("kv_cache_dtype", "auto")  # an engine knob, not a store one
@@ -69,7 +69,7 @@ def main() -> None:
                 print(json.dumps(handle), flush=True)
         time.sleep(0.002)
     load = engine.get_load()
-    p2p = dataclasses.asdict(connector.p2p_stats())  # type: ignore[arg-type]
+    p2p = dataclasses.asdict(engine.stats().transport)  # type: ignore[call-overload]
     done = {"released": True, "free_blocks": load.free_blocks, "total_blocks": load.total_blocks}
     print(json.dumps({**done, "p2p": p2p}), flush=True)
     while commands.get() != "quit":

@@ -112,7 +112,7 @@ def main() -> None:
 
     def stats() -> dict[str, Any]:
         drain(conn.poll())
-        p2p = dataclasses.asdict(conn.p2p_stats())
+        p2p = dataclasses.asdict(conn.transport_stats())
         gen = conn.stats()
         generic = {
             f.name: getattr(gen, f.name) for f in dataclasses.fields(gen) if f.name[0] != "_"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 
 def _engine(model_dir: Path, async_on: bool, **overrides: Any) -> LLMEngine:

@@ -12,8 +12,8 @@ from engine.attention.cpu_kernels import (
     BF16_GREEDY_AGREEMENT,
     leading_agreement,
 )
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

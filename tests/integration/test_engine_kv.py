@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import RemoteKV
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKV
-from engine.sampling_params import SamplingParams
 from kv_store.factory import KVStoreSettings, build_connector
 
 PROMPT = list(range(300, 345))  # 45 tokens: 2 full blocks + a partial tail

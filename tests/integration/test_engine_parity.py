@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tests.model_fixtures import argmax_continuations
 
 MAX_NEW = 12
 
@@ -28,26 +29,11 @@ def _prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
 
 
 def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Greedy continuation with the transformers model's own forward and KV cache. A plain
-    argmax loop rather than ``generate``: ``generate`` applies EOS handling of its own, and
-    our reference for ``ignore_eos`` is "the argmax, whatever token it is"."""
+    """transformers' greedy continuation (``argmax_continuations``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            result = model(torch.tensor([p]), use_cache=True)
-            tokens: list[int] = []
-            for _ in range(max_new):
-                tokens.append(int(result.logits[0, -1].argmax()))
-                result = model(
-                    torch.tensor([[tokens[-1]]]),
-                    past_key_values=result.past_key_values,
-                    use_cache=True,
-                )
-            outs.append(tokens)
-    return outs
+    return argmax_continuations(model, prompts, max_new)
 
 
 def _run_staggered(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> list[list[int]]:

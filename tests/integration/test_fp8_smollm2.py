@@ -30,8 +30,8 @@ NEW_TOKENS = 32
 
 
 def test_smollm2_fp8_agreement(smollm2_dir: Path) -> None:
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(str(smollm2_dir), quantization="fp8") as llm:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from tests.fp8_support import write_fp8_checkpoint
 
 PROMPTS = 6

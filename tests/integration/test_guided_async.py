@@ -12,8 +12,8 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.guided import GuidedSpec
-from engine.sampling_params import SamplingParams
+from engine.core.guided_spec import GuidedSpec
+from engine.core.sampling_params import SamplingParams
 
 
 async def test_async_engine_guided_and_speculative(tiny_model_dir: Path) -> None:

@@ -17,10 +17,10 @@ import jsonschema
 import pytest
 
 from engine.config import EngineConfig
-from engine.guided import GuidedSpec
+from engine.core.guided_spec import GuidedSpec
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKV
-from kv_store.p2p import P2PConnector
+from kv_store.p2p import P2PConnector, P2PStats
 from tests.integration.test_engine_kv import GREEDY, PROMPT, _colocated
 from tests.integration.test_p2p_engine import producer  # noqa: F401 - fixture
 
@@ -58,9 +58,8 @@ def test_fp8_pull_matches_colocated_fp8(producer: Any, tiny_model_dir: Path) -> 
     assert engine.transfers.stats.blocks_loaded == 3
     assert engine.transfers.stats.blocks_recomputed == 0
     # One byte per element: 2 layers x (K, V) x 3 blocks x 16 tokens x 2 KV heads x 16.
-    assert engine.connector is not None
-    stats = engine.connector.p2p_stats()
-    assert stats is not None and stats.bytes_received == 2 * 2 * 3 * 16 * 2 * 16
+    stats = engine.stats().transport  # the p2p figures, handed on by the engine
+    assert isinstance(stats, P2PStats) and stats.bytes_received == 2 * 2 * 3 * 16 * 2 * 16
     assert tokens == _colocated_fp8(tiny_model_dir)
     done = p.next(30)
     assert done["p2p"]["lease_ends"] == {"pulled": 1}

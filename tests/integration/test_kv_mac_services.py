@@ -15,8 +15,8 @@ import xxhash
 
 from common.block_hash import compute_block_hashes
 from kv_store.record import HEADER_SIZE
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from tests.service_fixtures import ProcessStack

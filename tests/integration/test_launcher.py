@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from pdserve.procs import free_ports
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess, alive, descendants
 from tests.service_fixtures import REPO, child_env
 

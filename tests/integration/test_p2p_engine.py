@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import RemoteKV
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKV
 from kv_store.p2p import P2PConnector
 from tests.integration.test_engine_kv import GREEDY, PROMPT, _colocated
 

@@ -30,6 +30,10 @@ ROUTER = (
     "round_robin",
     "--decode-policy",
     "round_robin",
+    # Every request is a p2p handoff here: a repeated prompt must not go decode-first to
+    # the decode instance that already pulled it (docs/router.md "Modes").
+    "--decode-first",
+    "off",
 )
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -41,8 +45,8 @@ MAX_TOKENS = 12
 
 
 def test_two_by_two_concurrent_parity(process_stack: ProcessStack) -> None:
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     prefills = [process_stack.service("prefill", connector_args=P2P) for _ in range(2)]
     decodes = [process_stack.service("decode", connector_args=P2P) for _ in range(2)]

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from common.grpc_token import call_metadata
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.router_support import metric
 
 if TYPE_CHECKING:

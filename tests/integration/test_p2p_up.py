@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(600)
 def test_up_over_p2p(tmp_path: Path, tiny_model_dir: Path) -> None:
     import openai
 
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     (port,) = free_ports(1)
     env = {"PDSERVE_P2P_LEASE_SECONDS": "20"}  # the env twin reaches the services via `up`

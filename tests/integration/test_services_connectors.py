@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from tests.service_fixtures import ProcessStack

@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_token import call_metadata
 from pdserve.procs import free_ports, grpc_probe
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.router_support import metric
 from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess, descendants
 from tests.service_fixtures import (

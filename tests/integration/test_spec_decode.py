@@ -16,8 +16,8 @@ import pytest
 
 from common.block_hash import compute_block_hashes
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.model_fixtures import make_tiny_llama
 
 MAX_NEW = 20

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.model_fixtures import make_tiny_llama
 
 VOCAB = 16

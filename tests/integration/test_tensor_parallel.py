@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.executor.tp.executor import MultiprocExecutor, TensorParallelError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tp_executor import MultiprocExecutor, TensorParallelError
 from tests.integration.test_engine_parity import _hf_greedy, _run_staggered
 from tests.model_fixtures import make_tiny_llama
 
@@ -177,7 +177,7 @@ def test_killed_worker_fails_the_next_step_clearly(tiny_model_dir: Path) -> None
 
 @pytest.mark.timeout(120)  # the guard: the watch must notice, not the test's patience
 def test_a_worker_lost_between_steps_is_reported_by_check(tiny_model_dir: Path) -> None:
-    """Rank 0's watch (engine/tp_watch.py) notices a worker that exits while no step runs;
+    """Rank 0's watch (engine/executor/tp/watch.py) notices a worker that exits while no step runs;
     ``check()``, which ``LLMEngine.step`` calls after every step, then raises naming it and
     stops the rest, and every later step fails the same way."""
     engine = _engine(tiny_model_dir, 2)
@@ -286,7 +286,7 @@ def _worker_children() -> list[int]:
         except (OSError, ValueError):
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"engine.tp_worker" in cmdline and _alive(int(entry)):
+        if ppid == os.getpid() and b"engine.executor.tp.worker" in cmdline and _alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -322,7 +322,7 @@ def test_tensor_parallel_size_that_does_not_fit_is_refused(
         )
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=0)
-    # KV connectors run on every rank (test_tp_pd.py); one that cannot (no worker recipe:
+    # KV connectors run on every rank (test_tp_pd.py); one that cannot (no rank spec:
     # LMCache, or built outside kv_store.factory) is refused before any worker starts.
     from kv_store.block_connector import BlockStoreConnector
     from kv_store.fs_backend import FsBackend

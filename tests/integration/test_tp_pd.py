@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2 as pb
 from tests.e2e.router_support import wait_for
 from tests.integration.test_p2p_services import decode, free_blocks, prefill_handle
 from tests.service_fixtures import ProcessStack, ServiceProcess
@@ -31,23 +31,28 @@ OTHER = [3000 + (i * 17) % 20000 for i in range(40)]  # a second prompt, no shar
 
 @dataclass(slots=True)
 class Stack:
-    prefill: ServiceProcess  # N = 2
-    decode: ServiceProcess  # N = 2
-    single: ServiceProcess  # N = 1: the reference, and the instance of another N
+    prefill: ServiceProcess  # N = 2 (or P = 2: test_pp_pd.py)
+    decode: ServiceProcess  # N = 2 (or P = 2)
+    single: ServiceProcess  # N = P = 1: the reference, and the instance of another size
     kv_dir: Path
 
 
-def _stack(
-    factory: pytest.TempPathFactory, model: Path, connector: tuple[str, ...]
+def parallel_stack(
+    factory: pytest.TempPathFactory,
+    model: Path,
+    connector: tuple[str, ...],
+    parallel: tuple[str, ...] = TP2,
 ) -> Iterator[Stack]:
-    root = factory.mktemp("tp_pd")
+    """Prefill and decode with the ``parallel`` flags, and a decode without them, over one
+    ``connector`` (``{kv}`` stands for the module's store directory)."""
+    root = factory.mktemp("parallel_pd")
     kv_dir = root / "kv"
     kv_dir.mkdir()
     args = tuple(a.replace("{kv}", str(kv_dir)) for a in connector)
     stack = ProcessStack(root / "logs", model)
     try:
-        prefill = stack.service("prefill", connector_args=args, extra_args=TP2)
-        dec = stack.service("decode", connector_args=args, extra_args=TP2)
+        prefill = stack.service("prefill", connector_args=args, extra_args=parallel)
+        dec = stack.service("decode", connector_args=args, extra_args=parallel)
         single = stack.service("decode", connector_args=args)
         yield Stack(prefill, dec, single, kv_dir)
     finally:
@@ -56,12 +61,14 @@ def _stack(
 
 @pytest.fixture(scope="module")
 def fs_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
-    yield from _stack(tmp_path_factory, tiny_model_dir, ("--connector", "fs", "--kv-path", "{kv}"))
+    yield from parallel_stack(
+        tmp_path_factory, tiny_model_dir, ("--connector", "fs", "--kv-path", "{kv}")
+    )
 
 
 @pytest.fixture(scope="module")
 def p2p_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
-    yield from _stack(
+    yield from parallel_stack(
         tmp_path_factory, tiny_model_dir, ("--connector", "p2p", "--p2p-timeout", "20")
     )
 
@@ -150,8 +157,8 @@ def test_redis_per_rank_records(process_stack: ProcessStack, redis_server: str) 
         client.close()
     tokens, timings = decode(dec, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     with LLM(str(process_stack.model_dir), num_kv_blocks=64) as llm:  # N = 1, in this process
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,5 +1,5 @@
 """A tensor-parallel decode service (N = 2, CPU, gloo) whose worker rank dies takes itself
-down cleanly: the next request fails with UNAVAILABLE (so the router fails over), health
+down cleanly (and a pipeline-parallel one, P = 2, whose stage-1 process dies): the next request fails with UNAVAILABLE (so the router fails over), health
 stops answering SERVING, and the process exits non-zero so its supervisor starts a fresh
 one — never a hang, never a half-alive instance."""
 
@@ -15,15 +15,15 @@ import grpc
 import pytest
 
 from pdserve.procs import free_ports
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.service_fixtures import spawn, start_service
 
 GREEDY = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _tp_workers(pid: int) -> list[int]:
-    """Child processes of ``pid`` that run a tensor-parallel worker rank."""
+def _workers(pid: int, module: bytes) -> list[int]:
+    """Child processes of ``pid`` that run the worker ``module``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -34,7 +34,7 @@ def _tp_workers(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"engine.tp_worker" in cmdline:
+        if ppid == pid and module in cmdline:
             found.append(int(entry))
     return found
 
@@ -47,12 +47,20 @@ def _decode(stub: pb_grpc.DecodeServiceStub, request_id: str) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_a_dead_rank_takes_the_service_down(tmp_path: Path, tiny_model_dir: Path) -> None:
-    service = start_service(
-        "decode", tiny_model_dir, tmp_path / "logs", extra_args=["--tensor-parallel-size", "2"]
-    )
+@pytest.mark.parametrize(
+    ("flag", "module"),
+    [
+        ("--tensor-parallel-size", b"engine.executor.tp.worker"),
+        ("--pipeline-parallel-size", b"engine.executor.pp.worker"),
+    ],
+    ids=["tp", "pp"],
+)
+def test_a_dead_rank_takes_the_service_down(
+    tmp_path: Path, tiny_model_dir: Path, flag: str, module: bytes
+) -> None:
+    service = start_service("decode", tiny_model_dir, tmp_path / "logs", extra_args=[flag, "2"])
     try:
-        workers = _tp_workers(service.proc.pid)
+        workers = _workers(service.proc.pid, module)
         assert len(workers) == 1, f"expected one worker rank, found {workers}"
         with grpc.insecure_channel(service.address) as channel:
             stub = pb_grpc.DecodeServiceStub(channel)

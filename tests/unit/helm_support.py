@@ -61,6 +61,19 @@ def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     )
 
 
+def workload(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """A component's Deployment, or with pipeline parallelism its first group's StatefulSet
+    (every group's pod template is the same but for its group label and leader)."""
+    name = f"{RELEASE}-pdserve-{component}"
+    for obj in objs:
+        if (obj["kind"], obj["metadata"]["name"]) in {
+            ("Deployment", name),
+            ("StatefulSet", f"{name}-0"),
+        }:
+            return obj
+    return find(objs, "Deployment", name)
+
+
 def kinds(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] == kind]
 

@@ -195,3 +195,32 @@ def test_word_fallback_and_tokenizer_dir(
     assert codec.encode("w3 w4") == word_tokenizer.encode("w3 w4", add_special_tokens=False)
     with pytest.raises(ValueError, match="not a directory"):
         load_codec(str(tmp_path / "missing"))
+
+
+def test_chat_conversations_grow_and_share_system_prompts() -> None:
+    codec = WordCodec()
+    spec = WorkloadSpec(
+        kind="chat",
+        num_prompts=10,
+        prefix_len=20,
+        num_prefixes=2,
+        num_turns=3,
+        input_len="5",
+        output_len="4",
+        seed=1,
+    )
+    prompts = build_prompts(spec, codec)
+    assert len(prompts) == 10
+    conversations = 4  # ceil(10 / 3); round by round: turn 0 of all four, then turn 1...
+    assert [p.group for p in prompts] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    for i, p in enumerate(prompts):
+        later = prompts[i + conversations] if i + conversations < len(prompts) else None
+        if later is not None:  # the next turn extends this prompt (plus an answer)
+            assert later.text.startswith(p.text) and len(later.text) > len(p.text)
+        assert p.max_tokens == 4
+    system = [p.text.split("\n")[0] for p in prompts[:conversations]]
+    assert system[0] == system[2] != system[1] == system[3]
+    assert len(system[0].split()) == 20
+    assert build_prompts(spec, codec)[5].text == prompts[5].text  # seeded
+    with pytest.raises(ValueError, match="num_turns"):
+        WorkloadSpec(kind="chat", num_turns=0).validate()

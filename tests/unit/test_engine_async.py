@@ -12,8 +12,8 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 
 DEADLINE_S = 60.0
 

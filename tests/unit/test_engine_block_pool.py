@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 BS = 4  # block size for these tests: small numbers keep the arithmetic readable
 

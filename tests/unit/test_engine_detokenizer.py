@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 # Registers the smollm2_dir / tiny_model_dir fixtures for this module.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world, this is a test.",
@@ -192,7 +192,7 @@ def test_each_call_decodes_a_short_window(tokenizer: Any) -> None:
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_backend_decode_shortcut_equals_tokenizer_decode(tokenizer: Any, skip: bool) -> None:
-    from engine.detokenizer import _decoder
+    from engine.core.detokenizer import _decoder
 
     fast = _decoder(tokenizer, skip)
     generic = _decoder(_CountingTokenizer(tokenizer), skip)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from common.block_hash import compute_block_hashes
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
-from engine.step_inputs import InputBuilder, logits_rows
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledRequest
+from engine.executor.step_inputs import InputBuilder, logits_rows
 
 BS = 4
 

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_penalties, filter_logits, position_seed
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, apply_penalties, filter_logits, position_seed
 
 NEG_INF = float("-inf")
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +196,37 @@ def test_llm_generate_text_and_params_count(tiny_model_dir: Path) -> None:
         llm.generate(["a", "b"], [SamplingParams()])
     with pytest.raises(ValueError, match=r"prompt must contain at least one token"):
         llm.generate([[]], SamplingParams())
+
+
+def test_model_combinations_are_refused_at_start(tmp_path: Path) -> None:
+    """An FP8 checkpoint of an architecture with fused or per-expert tensors, and a
+    head_dim the Triton kernels cannot tile on CUDA, are start-up errors naming the
+    combination; Phi-3-mini's 96 is served (tiles padded to 128)."""
+    from engine.models.config import ModelArgs
+    from engine.models.support import check_combination
+
+    base = {
+        "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 128,
+    }  # fmt: skip
+    moe = ModelArgs.from_hf(
+        base
+        | {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        }
+    )
+    with pytest.raises(
+        ValueError, match="FP8 checkpoints are not supported for MixtralForCausalLM"
+    ):
+        check_combination(moe, fp8_checkpoint=True, device="cpu")
+    check_combination(moe, fp8_checkpoint=False, device="cuda")
+    phi3 = ModelArgs.from_hf(base | {"architectures": ["Phi3ForCausalLM"], "head_dim": 96})
+    check_combination(phi3, fp8_checkpoint=False, device="cuda")
+    odd = ModelArgs.from_hf(base | {"architectures": ["Phi3ForCausalLM"], "head_dim": 100})
+    with pytest.raises(ValueError, match="Phi3ForCausalLM with head_dim 100 on CUDA"):
+        check_combination(odd, fp8_checkpoint=False, device="cuda")
+    check_combination(odd, fp8_checkpoint=False, device="cpu")
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*text models"):
+        ModelArgs.from_hf(base | {"architectures": ["Gemma3ForConditionalGeneration"]})

@@ -112,9 +112,9 @@ def test_compressed_tensors_checkpoint_loads(tiny_model_dir: Path, tmp_path: Pat
 def test_fp8_checkpoint_through_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Scheduler, paged cache and decode steps: the FP8 checkpoint generates what the
     model quantized at load generates, and the engine reports neither as unquantized."""
-    from engine.fingerprint import model_fingerprint
+    from engine.core.sampling_params import SamplingParams
+    from engine.kv.fingerprint import model_fingerprint
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     ckpt = write_fp8_checkpoint(tiny_model_dir, tmp_path / "ckpt")
     params = SamplingParams(max_tokens=12, temperature=0.0)

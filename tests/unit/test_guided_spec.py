@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engine.guided import GuidedSpec
-from engine.guided.manager import parse_guide, parser_message
-from engine.sampling_params import SamplingParams
+from engine.core.guided_spec import GuidedSpec
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.guided import parse_guide, parser_message
 
 
 def test_spec_shapes() -> None:

@@ -22,6 +22,7 @@ from tests.unit.helm_support import (
     kinds,
     pod_templates,
     render,
+    workload,
 )
 
 
@@ -320,11 +321,7 @@ def test_env_vars_are_flags_the_components_know(values: Path) -> None:
     }
     assert shared <= known["prefill"] | known["router"], shared - known["prefill"] - known["router"]
     for role in ("router", "prefill", "decode"):
-        env = {
-            k
-            for k in env_of(container(find(objs, "Deployment", f"{RELEASE}-pdserve-{role}")))
-            if k.startswith("PDSERVE_")
-        }
+        env = {k for k in env_of(container(workload(objs, role))) if k.startswith("PDSERVE_")}
         assert env <= known[role], f"{role}: {env - known[role]}"
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.request import RemoteKV
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKV
-from engine.sampling_params import SamplingParams
 from kv_store.base import KvLayout
 from kv_store.factory import KVStoreSettings, build_connector
 from kv_store.record import RecordLayoutError, decode_block, encode_block

@@ -13,12 +13,13 @@ from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve import launcher
 from pdserve.launcher import assign_gpus, build_plan, gpu_ids
 from pdserve.procs import Child, Launcher, LaunchError
+from pdserve.up_args import UpArgs
 
 
 def parse_up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     """Parse `pdserve up ARGV` with the real parser, with no PDSERVE_* twins leaking in."""
-    for flag, _ in launcher._UP_FLAGS:
-        monkeypatch.delenv("PDSERVE_" + flag[2:].upper().replace("-", "_"), raising=False)
+    for setting in UpArgs.all_settings():
+        monkeypatch.delenv(setting.env, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     parser = argparse.ArgumentParser(prog="pdserve")
     launcher.add_parser(parser.add_subparsers(dest="command", required=True))

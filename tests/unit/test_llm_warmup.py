@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm import CUDA_OFFLINE_MAX_BATCHED_TOKENS, LLM
 from engine.llm_warmup import warm_up, warmup_prompts
-from engine.sampling_params import SamplingParams
 
 KW = dict(max_model_len=256, kv_cache_memory=1 << 22, max_num_batched_tokens=128)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler
 
 
 def test_stop_tokens_are_masked_until_min_tokens() -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/pd_two_gpu_report.py: the benchmark's model directory (synthetic full-vocabulary
+"""benchmarks/gpu/pd_two_gpu_report.py: the benchmark's model directory (synthetic full-vocabulary
 tokenizer, read by the router, the engine's tokenizer loader and bench serve) and the report
 arithmetic over bench serve result files."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.pd_two_gpu_report import collect, kv_bytes_per_token, make_model, render
-from engine.detokenizer import load_tokenizer
+from benchmarks.gpu.pd_two_gpu_report import collect, kv_bytes_per_token, make_model, render
+from engine.core.detokenizer import load_tokenizer
 from router.tokenizer import PromptProcessor
 
 REPO = Path(__file__).resolve().parents[2]

@@ -79,9 +79,22 @@ COMP = "/v1/completions"
 def test_valid_request_with_empty_pools_is_503(
     client: TestClient, url: str, body: dict[str, Any]
 ) -> None:
-    err = assert_error(client.post(url, json=body), 503)
+    resp = client.post(url, json=body)
+    err = assert_error(resp, 503)
     assert "no healthy decode instance" in err["message"]
     assert err["type"] == "service_unavailable_error"
+    assert resp.headers["retry-after"] == "1"  # every 503 says when to retry
+
+
+def test_unknown_model_and_adapter_endpoints_without_the_flag(client: TestClient) -> None:
+    """No instance serves an adapter here: any other model is a 404; the runtime LoRA
+    endpoints are off without --allow-runtime-lora-updating."""
+    err = assert_error(client.post(COMP, json={"model": "sql-lora", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    body = {"lora_name": "a", "lora_path": "/x"}
+    err = assert_error(client.post("/v1/load_lora_adapter", json=body), 404)
+    assert "--allow-runtime-lora-updating" in err["message"]
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +131,6 @@ def test_valid_request_with_empty_pools_is_503(
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": "up"}}, "logit_bias.1"),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias"),
-        (COMP, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, None),
         (
             CHAT,
             {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},

@@ -9,6 +9,7 @@ import pytest
 
 from common.block_hash import compute_block_hashes
 from router.estimator import AutoEstimator, SideLoad
+from router.kv_index import KvBlockIndex
 from router.policies import (
     LeastLoadPolicy,
     PrefixAwarePolicy,
@@ -18,6 +19,12 @@ from router.policies import (
     make_policy,
 )
 from router.prefix_index import PrefixIndex
+from router.prefix_match import PrefixMatcher
+
+
+def guess_matcher(index: PrefixIndex) -> PrefixMatcher:
+    """A matcher with no live event stream: the guessing index alone."""
+    return PrefixMatcher(KvBlockIndex(), index, lambda url: False)
 
 
 @dataclass
@@ -80,7 +87,9 @@ def test_prefix_index_evicts_least_recent() -> None:
 
 def test_prefix_aware_prefers_cached_instance_and_falls_back_when_skewed() -> None:
     index = PrefixIndex()
-    policy = PrefixAwarePolicy(index, skew_ratio=2.0, skew_slack=4.0)
+    policy = PrefixAwarePolicy(
+        guess_matcher(index), load_weight=1.0, skew_ratio=2.0, skew_slack=4.0
+    )
     a, b = Inst("a", running=2), Inst("b", running=0)
     prompt = hashes(list(range(32)))
     ctx = RouteContext(block_hashes=prompt)
@@ -117,9 +126,9 @@ def test_session_policy_is_sticky_and_moves_few_users() -> None:
 def test_make_policy_names() -> None:
     index = PrefixIndex()
     for name in ("least_load", "round_robin", "prefix_aware", "session"):
-        assert make_policy(name, index).name == name
+        assert make_policy(name, guess_matcher(index)).name == name
     with pytest.raises(ValueError, match="unknown routing policy"):
-        make_policy("random", index)
+        make_policy("random", guess_matcher(index))
 
 
 def test_estimator_prefers_local_for_idle_decode_and_short_prompt() -> None:

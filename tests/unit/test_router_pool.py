@@ -71,3 +71,24 @@ def test_pool_rejects_bad_arguments() -> None:
         InstancePool("decode", discovery, health_interval=0)
     with pytest.raises(ValueError, match="unknown routing policy"):
         InstancePool("decode", discovery, policy="fastest")
+
+
+def test_one_late_check_is_forgiven_two_in_a_row_or_a_refusal_are_not() -> None:
+    """The rule router/pool.py's docstring states (an abort storm delayed one answer and
+    the instance was taken out; tests/e2e/test_router_abort_storm.py is the live case)."""
+    import grpc
+    from grpc.aio import AioRpcError, Metadata
+
+    from router.pool import Instance, _forgiven
+
+    def error(code: grpc.StatusCode) -> AioRpcError:
+        return AioRpcError(code, Metadata(), Metadata(), code.name)
+
+    late = error(grpc.StatusCode.DEADLINE_EXCEEDED)
+    inst = Instance("127.0.0.1:1", "decode", None, None, None, healthy=True)  # type: ignore[arg-type]
+    assert _forgiven(inst, late)
+    assert not _forgiven(inst, late), "a second miss in a row must take it out"
+    inst.missed = 0
+    assert not _forgiven(inst, error(grpc.StatusCode.UNAVAILABLE)), "a refusal is not late"
+    inst.healthy = False
+    assert not _forgiven(inst, late), "an instance already out stays out"

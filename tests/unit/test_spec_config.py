@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.spec_decode.config import SpeculativeConfig, parse_speculative
+from engine.config.speculative import SpeculativeConfig, parse_speculative
 
 
 def test_ngram_defaults_and_options() -> None:

@@ -1,4 +1,4 @@
-"""The committed gRPC stubs in pdserve/v1/ match what protoc generates from proto/ now."""
+"""The committed gRPC stubs in pdserve_api/v1/ match what protoc generates from proto/ now."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+STUBS = "pdserve_api/v1"
 GENERATED = ("pdserve_pb2.py", "pdserve_pb2_grpc.py", "pdserve_pb2.pyi")
 
 
@@ -22,7 +23,7 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "grpc_tools.protoc",
-            "-Iproto",
+            "-Ipdserve_api=proto/pdserve",  # as `make stubs` runs it
             "--python_out=.",
             "--grpc_python_out=.",
             "--pyi_out=.",
@@ -37,8 +38,8 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     stale = [
         name
         for name in GENERATED
-        if (tmp_path / "pdserve/v1" / name).read_text() != (REPO / "pdserve/v1" / name).read_text()
+        if (tmp_path / STUBS / name).read_text() != (REPO / STUBS / name).read_text()
     ]
     assert not stale, (
-        f"pdserve/v1/{', '.join(stale)} are stale: run `make stubs` and commit the result"
+        f"{STUBS}/{', '.join(stale)} are stale: run `make stubs` and commit the result"
     )

@@ -1,4 +1,4 @@
-"""benchmarks/system_overhead.py: its arithmetic and report, and a real ``--quick`` run.
+"""benchmarks/system/system_overhead.py: its arithmetic and report, and a real ``--quick`` run.
 
 The smoke run starts two real ``pdserve up`` systems (disaggregated with the fs connector,
 and colocated) on the tiny model, drives them with the HTTP client beside the in-process
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.system_overhead import parse_args
-from benchmarks.system_overhead_report import (
+from benchmarks.system.system_overhead import parse_args
+from benchmarks.system.system_overhead_report import (
     Stream,
     latency_summary,
     overhead,
@@ -123,7 +123,7 @@ def _result() -> dict[str, Any]:
         "max_sustained_req_s": 16.0,
     }  # fmt: skip
     return {
-        "command": ".venv/bin/python benchmarks/system_overhead.py --quick",
+        "command": "python -m benchmarks.system.system_overhead --quick",
         "host": {
             "cpu_count": 2,
             "loadavg_start": [7.5, 7, 7],
@@ -148,7 +148,7 @@ def _result() -> dict[str, Any]:
 def test_render_markdown_tables_and_verdicts() -> None:
     md = render_markdown(_result())
     assert md.startswith("# System overhead")
-    assert "    .venv/bin/python benchmarks/system_overhead.py --quick" in md
+    assert "    python -m benchmarks.system.system_overhead --quick" in md
     assert "load average 7.5/8.2/9.0" in md and "Whole run: 42 s" in md
     assert "| in-process | 5.50 |" in md  # TTFT p50 of 5 and 6 ms
     assert "| engine alone, sync steps | 5.00 |" in md
@@ -179,7 +179,7 @@ def test_parse_args_quick_and_bad_input() -> None:
 
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     out_json, out_md = tmp_path / "so.json", tmp_path / "so.md"
-    argv = [sys.executable, "benchmarks/system_overhead.py", "--quick"]
+    argv = [sys.executable, "-m", "benchmarks.system.system_overhead", "--quick"]
     argv += ["--output-json", str(out_json), "--output-md", str(out_md)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -219,7 +219,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
 
 def test_failed_starts_raise_with_the_reason(tmp_path: Path) -> None:
     """A system or engine worker that cannot start ends the run with an error, not a hang."""
-    from benchmarks.system_overhead_paths import EngineWorker, PdserveUp
+    from benchmarks.system.system_overhead_paths import EngineWorker, PdserveUp
     from pdserve.procs import free_ports
 
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "missing")]

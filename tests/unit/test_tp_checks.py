@@ -1,4 +1,4 @@
-"""Rank 0's side of the worker processes without a GPU (``engine/tp_procs.py``): which GPU
+"""Rank 0's side of the worker processes without a GPU (``engine/executor/tp/procs.py``): which GPU
 each rank takes, the refusal of a size the visible GPUs cannot hold, and the bounded pipe
 writes that hand out each step's inputs."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine.tp_procs import check_gpus, device_for_rank, open_pipe, write_all
+from engine.executor.tp.procs import check_gpus, device_for_rank, open_pipe, write_all
 
 
 def test_each_rank_takes_the_next_gpu() -> None:

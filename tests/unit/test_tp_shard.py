@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.executor.step_inputs import HostInputs
+from engine.executor.tp.step_wire import OP_SHUTDOWN, Header, pack, unpack
 from engine.models.config import ModelArgs
 from engine.models.parallel import Shard, check_tensor_parallel
-from engine.step_inputs import HostInputs
-from engine.step_wire import OP_SHUTDOWN, Header, pack, unpack
 
 ARGS = ModelArgs(
     architecture="LlamaForCausalLM",
@@ -112,7 +112,7 @@ def test_header_rejects_garbage() -> None:
 
 def test_fingerprint_tells_tensor_parallel_sizes_apart(tiny_model_dir: Path) -> None:
     from engine.config import EngineConfig
-    from engine.fingerprint import model_fingerprint
+    from engine.kv.fingerprint import model_fingerprint
 
     one = model_fingerprint(EngineConfig(model=str(tiny_model_dir)))
     two = model_fingerprint(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2))

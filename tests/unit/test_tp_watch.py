@@ -1,4 +1,4 @@
-"""``StepWatch`` (engine/tp_watch.py) with real processes: it fires once when a worker
+"""``StepWatch`` (engine/executor/tp/watch.py) with real processes: it fires once when a worker
 exits or when the oldest unfinished step passes the deadline, names why, and stays quiet
 for finished steps and after ``stop``. A GPU step's CUDA event is stood in for by an object
 with the same ``query`` (there is no GPU here); the CUDA path is in tests/gpu/test_tp_gpu.py.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.tp_watch import StepWatch
+from engine.executor.tp.watch import StepWatch
 
 
 @dataclass

@@ -37,6 +37,10 @@ CASES: dict[str, tuple[list[int], list[int], int, int, int, int, str, int, int]]
     "tiny_model_d16_g2": ([6, 1], [0, 40], 4, 2, 16, 16, "float32", 0, 0),
     "padding_rows": ([4, 1], [3, 9], 4, 2, 64, 16, "float32", 0, 3),
     "decode_padding_rows_split": ([1, 1], [30, 9], 4, 2, 64, 16, "bfloat16", 2, 2),
+    # head_dim not a power of two (Phi-3-mini's 96): tiles padded to 128
+    "mixed_d96_g4_f32": ([9, 1, 23, 1], [0, 30, 16, 2], 8, 2, 96, 16, "float32", 0, 0),
+    "decode_d96_split3_bf16": ([1, 1], [300, 17], 8, 1, 96, 16, "bfloat16", 3, 0),
+    "chunked_d80_f32": ([24, 1], [40, 64], 6, 2, 80, 32, "float32", 0, 0),
 }
 TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
 
@@ -139,7 +143,7 @@ def test_cpu_tensors_without_interpreter_are_refused() -> None:
 @pytest.mark.parametrize(
     ("q_shape", "kv_heads", "head_dim", "block_size", "match"),
     [
-        ((2, 4, 48), 2, 48, 16, "head_dim"),
+        ((2, 4, 44), 2, 44, 16, "head_dim"),
         ((2, 6, 64), 4, 64, 16, "multiple"),
         ((2, 4, 64), 2, 64, 24, "block_size"),
     ],

@@ -170,7 +170,8 @@ def test_fused_op_matches_torch(interpreted: dict[str, float], name: str) -> Non
 
 def test_cpu_engine_keeps_torch_ops() -> None:
     """Only CUDA gets the kernels; the CPU path stays the exact HF-parity reference."""
-    from engine.models.layer_ops import TorchOps, get_layer_ops
+    from engine.models import get_layer_ops
+    from engine.models.layer_ops import TorchOps
 
     assert get_layer_ops("cpu", fused=True) is TorchOps
     assert get_layer_ops("cuda", fused=False) is TorchOps

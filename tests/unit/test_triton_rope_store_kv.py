@@ -184,13 +184,13 @@ def _model_case(
             super().__init__()
             self.calls: list[str] = []
 
-        def forward(self, *args: Any) -> Any:
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
             self.calls.append("forward")
-            return super().forward(*args)
+            return super().forward(*args, **kwargs)
 
-        def forward_prewritten(self, *args: Any) -> Any:
+        def forward_prewritten(self, *args: Any, **kwargs: Any) -> Any:
             self.calls.append("prewritten")
-            return super().forward_prewritten(*args)
+            return super().forward_prewritten(*args, **kwargs)
 
     dtype = getattr(torch, dtype_name)
     case = make_case(

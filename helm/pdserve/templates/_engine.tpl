@@ -1,10 +1,19 @@
-{{/* One engine pool: (dict "root" $ "role" "prefill"|"decode"). The prefill and decode
-Deployments differ only in their values block, their role and decode's KV-load policy. */}}
+{{/* One engine pool: (dict "root" $ "role" "prefill"|"decode"), a Deployment; or, with
+"group" G (pipeline parallelism, P > 1), pipeline group G of the pool: a StatefulSet of P pods,
+pod k running stage k (docs/kubernetes.md, "Pipeline parallelism"). The prefill and decode
+workloads differ only in their values block, their role and decode's KV-load policy. */}}
 {{- define "pdserve.engine.deployment" -}}
 {{- $root := .root }}
 {{- $role := .role }}
 {{- $pool := index $root.Values $role }}
 {{- $ctx := dict "root" $root "component" $role }}
+{{- $pp := int $root.Values.engine.pipelineParallelSize }}
+{{- $group := "" }}
+{{- $groupName := "" }}
+{{- if hasKey . "group" }}
+{{- $group = toString .group }}
+{{- $groupName = printf "%s-%s" (include "pdserve.componentName" $ctx) $group }}
+{{- end }}
 {{- $tls := $root.Values.grpcTls }}
 {{- $probePort := ternary $tls.healthPort 50051 $tls.enabled }}
 {{- /* A pool's own value wins; null falls back to the shared engine value. */}}
@@ -13,14 +22,16 @@ Deployments differ only in their values block, their role and decode's KV-load p
 {{- $own := index $pool $key }}
 {{- $_ := set $tuning $key (kindIs "invalid" $own | ternary (index $root.Values.engine $key) $own) }}
 {{- end }}
-{{- /* Tensor parallelism on GPUs: the pod gets one GPU per rank, whatever the pool's
-resources say (docs/kubernetes.md). */}}
+{{- /* Tensor and pipeline parallelism on GPUs: the pod gets one GPU per process, whatever
+the pool's resources say (docs/kubernetes.md): N for a group's pod (one stage), P x N for
+an engine pod running every stage (pipelinePodPerStage false). */}}
 {{- $tp := int $root.Values.engine.tensorParallelSize }}
+{{- $gpus := ternary $tp (mul $tp $pp) (ne $group "") }}
 {{- $resources := deepCopy (default (dict) $pool.resources) }}
-{{- if and (gt $tp 1) (eq $root.Values.engine.device "cuda") }}
+{{- if and (gt (int $gpus) 1) (eq $root.Values.engine.device "cuda") }}
 {{- range $part := list "requests" "limits" }}
 {{- $r := default (dict) (index $resources $part) }}
-{{- $_ := set $r "nvidia.com/gpu" (toString $tp) }}
+{{- $_ := set $r "nvidia.com/gpu" (toString $gpus) }}
 {{- $_ := set $resources $part $r }}
 {{- end }}
 {{- end }}
@@ -31,6 +42,28 @@ SIGTERM, which comes after the preStop sleep; keep 10 s for the process to exit.
 {{- fail (printf "%s.terminationGracePeriodSeconds must exceed preStopSleepSeconds + 10 (drain time)" $role) }}
 {{- end }}
 apiVersion: apps/v1
+{{- if $group }}
+kind: StatefulSet
+metadata:
+  name: {{ $groupName }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+    {{ include "pdserve.pipelineGroupLabel" $group }}
+spec:
+  # One pod per stage: pod k (label apps.kubernetes.io/pod-index) runs stage k.
+  replicas: {{ $pp }}
+  serviceName: {{ $groupName }}
+  # All stages start at once: the leader is ready only when every stage has joined, so
+  # OrderedReady would never start pod 1.
+  podManagementPolicy: Parallel
+  revisionHistoryLimit: 5
+  updateStrategy:
+    type: RollingUpdate
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+      {{ include "pdserve.pipelineGroupLabel" $group }}
+{{- else }}
 kind: Deployment
 metadata:
   name: {{ include "pdserve.componentName" $ctx }}
@@ -46,10 +79,14 @@ spec:
   selector:
     matchLabels:
       {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
   template:
     metadata:
       labels:
         {{- include "pdserve.labels" $ctx | nindent 8 }}
+        {{- if $group }}
+        {{ include "pdserve.pipelineGroupLabel" $group }}
+        {{- end }}
       annotations:
         checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
         {{- with $pool.podAnnotations }}
@@ -91,10 +128,12 @@ spec:
               value: "9090"
             - name: PDSERVE_DRAIN_GRACE
               value: {{ $drain | quote }}
+            {{- /* int: a values file's numbers are floats to Helm, and 2000000 would
+            render as "2e+06", which no integer flag takes. */}}
             - name: PDSERVE_MAX_NUM_SEQS
-              value: {{ $tuning.maxNumSeqs | quote }}
+              value: {{ $tuning.maxNumSeqs | int | quote }}
             - name: PDSERVE_MAX_NUM_BATCHED_TOKENS
-              value: {{ $tuning.maxNumBatchedTokens | quote }}
+              value: {{ $tuning.maxNumBatchedTokens | int | quote }}
             - name: PDSERVE_GPU_MEMORY_UTILIZATION
               value: {{ $tuning.gpuMemoryUtilization | quote }}
             {{- if eq $role "decode" }}
@@ -107,6 +146,15 @@ spec:
               valueFrom:
                 fieldRef:
                   fieldPath: status.podIP
+            {{- end }}
+            {{- if $group }}
+            # This pod's stage is its ordinal; every stage dials stage 0's stable DNS name.
+            - name: PDSERVE_PIPELINE_STAGE
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+            - name: PDSERVE_PIPELINE_LEADER
+              value: {{ printf "%s-0.%s.%s.svc:%d" $groupName $groupName $root.Release.Namespace (int $root.Values.engine.pipelinePort) | quote }}
             {{- end }}
             {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.grpcTlsEnv" (dict "root" $root "side" "engine") }}{{ . | nindent 12 }}{{ end }}
@@ -124,6 +172,11 @@ spec:
             - name: metrics
               containerPort: 9090
               protocol: TCP
+            {{- if $group }}
+            - name: pipeline
+              containerPort: {{ $root.Values.engine.pipelinePort }}
+              protocol: TCP
+            {{- end }}
             {{- if $tls.enabled }}
             - name: grpc-health
               containerPort: {{ $tls.healthPort }}
@@ -174,6 +227,11 @@ spec:
             - name: kv
               mountPath: {{ $root.Values.connector.fs.mountPath }}
             {{- end }}
+            {{- if and $root.Values.lora.enabled $root.Values.lora.volume }}
+            - name: lora-adapters
+              mountPath: {{ $root.Values.lora.mountPath }}
+              readOnly: true
+            {{- end }}
             {{- with include "pdserve.grpcTlsMount" $root }}{{ . | nindent 12 }}{{ end }}
       volumes:
         {{- include "pdserve.modelVolume" $root | nindent 8 }}
@@ -187,6 +245,10 @@ spec:
         - name: kv
           persistentVolumeClaim:
             claimName: {{ include "pdserve.kvClaimName" $root }}
+        {{- end }}
+        {{- if and $root.Values.lora.enabled $root.Values.lora.volume }}
+        - name: lora-adapters
+          {{- toYaml $root.Values.lora.volume | nindent 10 }}
         {{- end }}
         {{- with include "pdserve.grpcTlsVolume" (dict "root" $root "side" "engine") }}{{ . | nindent 8 }}{{ end }}
       {{- with $pool.nodeSelector }}
@@ -219,6 +281,10 @@ spec:
   publishNotReadyAddresses: false
   selector:
     {{- include "pdserve.selectorLabels" $ctx | nindent 4 }}
+    {{- if include "pdserve.pipelineGroups" .root }}
+    # Pipeline groups: only stage 0 (the leader) serves requests; the router sees leaders only.
+    apps.kubernetes.io/pod-index: "0"
+    {{- end }}
   ports:
     - name: grpc
       port: 50051
@@ -229,4 +295,60 @@ spec:
       port: 9090
       targetPort: metrics
       protocol: TCP
+{{- end }}
+
+{{/* The per-group headless Service that gives a pipeline group's pods stable DNS names
+(<group>-<k>.<group>.<namespace>.svc): the stages find the leader through it before anyone
+is ready, so it publishes not-ready addresses. */}}
+{{- define "pdserve.engine.groupService" -}}
+{{- $ctx := dict "root" .root "component" .role }}
+{{- $groupName := printf "%s-%s" (include "pdserve.componentName" $ctx) (toString .group) }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $groupName }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+    {{ include "pdserve.pipelineGroupLabel" (toString .group) }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: true
+  selector:
+    {{- include "pdserve.selectorLabels" $ctx | nindent 4 }}
+    {{ include "pdserve.pipelineGroupLabel" (toString .group) }}
+  ports:
+    - name: pipeline
+      port: {{ .root.Values.engine.pipelinePort }}
+      targetPort: pipeline
+      protocol: TCP
+{{- end }}
+
+{{/* Non-empty when each engine replica is a pipeline group of one pod per stage. */}}
+{{- define "pdserve.pipelineGroups" -}}
+{{- if and (gt (int .Values.engine.pipelineParallelSize) 1) .Values.engine.pipelinePodPerStage }}true{{ end }}
+{{- end }}
+
+{{- define "pdserve.pipelineGroupLabel" -}}
+pdserve.io/pipeline-group: {{ . | quote }}
+{{- end }}
+
+{{/* One pool: its Deployment, or (P > 1) one StatefulSet and Service per pipeline group;
+and the pool's headless Service, which the router's discovery reads. */}}
+{{- define "pdserve.engine.pool" -}}
+{{- $pool := index .root.Values .role }}
+{{- if include "pdserve.pipelineGroups" .root }}
+{{- if .root.Values.autoscaler.enabled }}
+{{- fail "autoscaler.enabled needs engine.pipelineParallelSize 1: the autoscaler scales Deployments, and a pipeline group is a StatefulSet per group" }}
+{{- end }}
+{{- range $g := until (int $pool.replicas) }}
+{{ include "pdserve.engine.deployment" (dict "root" $.root "role" $.role "group" $g) }}
+---
+{{ include "pdserve.engine.groupService" (dict "root" $.root "role" $.role "group" $g) }}
+---
+{{- end }}
+{{- else }}
+{{ include "pdserve.engine.deployment" (dict "root" .root "role" .role) }}
+---
+{{- end }}
+{{ include "pdserve.engine.service" (dict "root" .root "role" .role) }}
 {{- end }}

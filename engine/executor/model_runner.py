@@ -1,0 +1,278 @@
+"""The model runner owns the device tensors: weights, the paged KV cache, step inputs.
+
+Each step it flattens the scheduled requests' new tokens into one "super sequence" with
+positions, slot mapping and attention metadata, runs the model once, and returns the
+logits of each request's last scheduled position.
+
+Under tensor parallelism every rank has a runner holding its shard of the model and a
+paged KV cache of its own KV heads (same blocks, same block ids on every rank); rank 0's
+executor (``engine/executor/``) builds the step's host inputs and hands them to the
+others, and every rank runs ``run`` on them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention import get_backend
+from engine.attention.base import AttentionMetadata
+from engine.attention.kv_quant import FP8_DTYPE
+from engine.config import EngineConfig
+from engine.core.scheduler import ScheduledRequest
+from engine.distributed.pp_group import PPGroup
+from engine.distributed.tp_group import TPGroup
+from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
+from engine.executor.step_inputs import HostInputs, InputBuilder, StepInputs
+from engine.lora.slots import LoRASlots
+from engine.models import ModelArgs, build_model
+from engine.models.parallel import Shard
+from engine.models.stages import Stage
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        args: ModelArgs,
+        max_model_len: int,
+        tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
+    ) -> None:
+        """``tp``: this rank's tensor-parallel group (None: the whole model here). ``pp``:
+        the pipeline grid this rank is in (None: one stage); the runner then holds its
+        stage's layers and their KV only. Every rank constructs its runner at the same
+        time: sizing the KV pool is collective."""
+        self.config = config
+        self.args = args
+        self.tp = tp or TPGroup.single()
+        self.pp = pp
+        self.stage = (
+            Stage(pp.stage, pp.pp_size, args.num_layers)
+            if pp is not None
+            else Stage.whole(args.num_layers)
+        )
+        # This stage's layers: the KV cache's first dimension (docs/design.md §3
+        # "Pipeline parallelism": stage s's index i is the model's layer first + i).
+        self.num_layers = len(self.stage.layers)
+        self.num_kv_heads = Shard(args, self.tp.rank, self.tp.size).num_kv_heads
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.torch_dtype_name]
+        # The paged cache's storage dtype: the model dtype, or float8 e4m3 for
+        # kv_cache_dtype "fp8" (engine/attention/kv_quant.py); blocks are sized by it.
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.backend = get_backend(
+            config.attention_backend, config.device, deterministic=config.deterministic
+        )
+        self.model = build_model(
+            args,
+            config.model,
+            config.load_format,
+            self.backend,
+            max_model_len,
+            self.dtype,
+            config.device,
+            config.seed,
+            fused_ops=config.fused_ops,
+            tp=self.tp if self.tp.size > 1 else None,
+            quantization=config.quantization_scheme(),
+            deterministic=config.deterministic,
+            stage=self.stage if self.stage.size > 1 else None,
+        )
+        self.num_blocks = self._size_kv_cache()
+        if self.tp.size > 1:
+            # Block ids mean the same blocks on every rank: the pool is the smallest one.
+            self.num_blocks = self.tp.min_int(self.num_blocks)
+        if self.pp is not None:  # and on every stage
+            self.num_blocks = self.pp.min_int(self.num_blocks)
+        self.kv_cache = torch.zeros(
+            (
+                self.num_layers,
+                2,
+                self.num_blocks,
+                self.block_size,
+                self.num_kv_heads,
+                args.head_dim,
+            ),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self._inputs = InputBuilder(self.device, self.block_size, self.max_blocks_per_req)
+        if self.tp.size > 1:
+            # Every rank, here: NCCL's communicator must exist before graphs capture its
+            # collectives; on the CPU it checks the gloo group the same way.
+            self.tp.warm_up(self.device)
+        # The step's LoRA token slots, when LoRA is on (engine/lora_serving.py sets it).
+        self.lora_slots: LoRASlots | None = None
+        self.graphs = self._capture_decode_graphs()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s), attention backend %s",
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.backend.name,
+        )
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
+        backend that reads only device tensors: ``triton``, or one with
+        ``captures_decode`` (engine/attention/base.py: flash_attn, auto).
+
+        Under tensor parallelism every rank captures its own graphs, with its shard's
+        all-reduces and the logits' all-gather inside, from the same config and so the
+        same buckets in the same order (the capture's warm-up passes are collectives).
+        Ranks replay in step because each runs ``run`` on the same step inputs, and the
+        graph choice depends only on them."""
+        if (
+            self.device.type != "cuda"
+            # triton, or a backend whose decode steps are Triton's (flash_attn, auto)
+            or not (self.backend.name == "triton" or self.backend.captures_decode)
+            or not self.config.cuda_graphs
+            # a stage's step sends and receives between graphs: eager (left for GPUs)
+            or self.stage.size > 1
+        ):
+            return None
+        graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model.compute_logits(
+                self.model(ids, pos, self.kv_cache, meta)
+            ),
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            device=self.device,
+            buckets=default_buckets(self.config.max_num_seqs),
+        )
+        graphs.capture()
+        return graphs
+
+    def bytes_per_block(self) -> int:
+        a = self.args
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * a.head_dim * elem * self.num_layers
+
+    def _size_kv_cache(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = self.config.kv_cache_memory
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ValueError(
+                f"KV cache budget {budget} bytes holds {blocks} blocks of {per_block} bytes; "
+                "raise kv_cache_memory / gpu_memory_utilization"
+            )
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Memory left for KV after weights and a profiling forward pass at full budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        dummy_cache = torch.zeros(
+            (
+                self.num_layers,
+                2,
+                2 + -(-n // self.block_size),
+                self.block_size,
+                self.num_kv_heads,
+                self.args.head_dim,
+            ),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        blocks = torch.arange(
+            1, 1 + -(-n // self.block_size), dtype=torch.int32, device=self.device
+        )
+        meta = AttentionMetadata(
+            slot_mapping=pos + self.block_size,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=blocks[None],
+            max_query_len=n,
+            max_seq_len=n,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, dummy_cache, meta)
+            if self.stage.is_last:
+                self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del dummy_cache, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def prepare(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> StepInputs:
+        """Flatten the step's new tokens (see the module docstring) into device tensors."""
+        return self._inputs.build(scheduled, input_ids)
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[len(scheduled), vocab]`` — or, when some
+        requests carry drafts, ``1 + len(spec_token_ids)`` rows per request (its last
+        positions, in order), request after request. ``input_ids`` on the device replace
+        the requests' token ids (async scheduling: the previous step's sampled tokens)."""
+        if self.lora_slots is not None:
+            self.lora_slots.set_batch(token_slots(scheduled))
+        return self.run(self.prepare(scheduled, input_ids))
+
+    def prepare_host(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
+    ) -> HostInputs:
+        """The host half of ``prepare`` (what rank 0 sends the other ranks)."""
+        return self._inputs.host(scheduled, input_ids)
+
+    def to_device(self, host: HostInputs, input_ids: torch.Tensor | None = None) -> StepInputs:
+        """The device half of ``prepare``."""
+        return self._inputs.to_device(host, input_ids)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of a prepared step; logits as ``execute`` says."""
+        if (
+            self.graphs is not None
+            and inputs.meta.max_query_len == 1
+            # Steps with LoRA tokens run eagerly; the graphs hold base-model steps only.
+            and not (self.lora_slots is not None and self.lora_slots.active)
+            and self.graphs.bucket_for(inputs.meta.num_reqs)
+        ):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def run_stage(self, inputs: StepInputs, carried: torch.Tensor | None) -> torch.Tensor:
+        """This pipeline stage's part of a prepared step: from the step's ids (first stage)
+        or ``carried`` (the previous stage's ``[2, tokens, hidden]``), through this stage's
+        layers, to the logits (last stage; as ``run``) or the pair for the next stage."""
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, carried)
+        if not self.stage.is_last:
+            return out
+        return self.model.compute_logits(out[inputs.logits_indices])
+
+
+def token_slots(scheduled: list[ScheduledRequest]) -> np.ndarray:
+    """The step's slot per flattened token (-1: base model), in the runner's token order."""
+    slots = np.fromiter((s.request.lora_slot for s in scheduled), np.int32, len(scheduled))
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
+    return np.repeat(slots, counts)

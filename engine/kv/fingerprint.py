@@ -1,0 +1,98 @@
+"""Model fingerprint: identifies KV compatibility across processes and machines.
+
+It covers the model's config, the identity of its weights, the model dtype, the KV cache
+dtype (when not the model's), the block size, the KV layout version and (when above 1) the
+tensor-parallel size, which also ends it as ``-tp{N}``, and (when above 1) the
+pipeline-parallel size, spelled ``-pp{P}`` before it (docs/design.md §3). Weights are
+identified by file names, sizes, the safetensors headers and a sample of tensor bytes
+(hashing many GB at every start would be too slow). ``kv_layout`` is the other half of
+compatibility: the shape of the blocks that records and handles carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from engine.config import KV_LAYOUT_VERSION, EngineConfig
+from engine.models import ModelArgs
+from kv_store.base import KvLayout
+
+_SAMPLE = 1 << 20
+
+
+def model_fingerprint(config: EngineConfig) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(config.hf_config(), sort_keys=True, default=str).encode())
+    h.update(f"|{config.torch_dtype_name}|{config.block_size}|v{KV_LAYOUT_VERSION}|".encode())
+    if config.kv_cache_dtype != "auto":
+        # An fp8 cache's blocks are other bytes than the model dtype's: their store keys
+        # must differ (auto keeps its old value, so existing records stay valid).
+        h.update(f"kv:{config.kv_cache_dtype_name}|".encode())
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        # Each rank's cache holds only its KV heads: blocks of another split are not
+        # interchangeable, so a handle from it must not match (N = 1 keeps its old value).
+        h.update(f"tp{tp}|".encode())
+    pp = config.pipeline_parallel_size
+    if pp > 1:
+        # Each stage's cache holds only its layers: the same P splits them the same way.
+        h.update(f"pp{pp}|".encode())
+    if config.quantization:
+        # Weights quantized at load compute other KV than the checkpoint's own precision.
+        h.update(f"q:{config.quantization}|".encode())
+    if config.load_format == "dummy":
+        h.update(f"dummy:{config.seed}".encode())
+    else:
+        for name in sorted(os.listdir(config.model)):
+            if name.endswith(".safetensors"):
+                _hash_weights_file(h, os.path.join(config.model, name))
+    # The sizes are also spelled out, so a refused handle can say which P and N it came from.
+    return h.hexdigest()[:32] + (f"-pp{pp}" if pp > 1 else "") + (f"-tp{tp}" if tp > 1 else "")
+
+
+def kv_layout(config: EngineConfig, args: ModelArgs, num_kv_heads: int) -> KvLayout:
+    """The shape of the engine process's KV blocks as records and handles carry it: the
+    storage dtype (the KV cache's, not always the model's), ``num_kv_heads``, the heads
+    this rank holds (all of them when N = 1), and the layers of stage 0, where the engine
+    process runs (all of them when P = 1). A store or peer refuses blocks of another
+    layout; the other processes of a grid take theirs from their own caches."""
+    from engine.models.stages import Stage
+
+    stage0 = Stage(0, config.pipeline_parallel_size, args.num_layers)
+    return KvLayout(
+        KV_LAYOUT_VERSION,
+        config.kv_cache_dtype_name,
+        config.block_size,
+        len(stage0.layers),
+        num_kv_heads,
+        args.head_dim,
+    )
+
+
+def tensor_parallel_size_of(fingerprint: str) -> int:
+    """The ``tensor_parallel_size`` a fingerprint was made for (1 without a ``-tp`` suffix)."""
+    return _size_of(fingerprint, "tp")
+
+
+def pipeline_parallel_size_of(fingerprint: str) -> int:
+    """The ``pipeline_parallel_size`` a fingerprint was made for (1 without ``-pp``)."""
+    return _size_of(fingerprint, "pp")
+
+
+def _size_of(fingerprint: str, kind: str) -> int:
+    for part in fingerprint.split("-")[1:]:
+        if part.startswith(kind) and part[2:].isdigit():
+            return int(part[2:])
+    return 1
+
+
+def _hash_weights_file(h: hashlib._Hash, path: str) -> None:
+    size = os.path.getsize(path)
+    h.update(f"{os.path.basename(path)}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            h.update(f.read(_SAMPLE))

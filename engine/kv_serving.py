@@ -1,0 +1,68 @@
+"""``LLMEngine``'s side of KV transfers (P/D): what the engine does with the connector's
+finished loads and saves each step, and closing the connector (kept apart from the step
+loop in ``engine/llm_engine.py``; the transfers themselves are ``engine/kv/transfers.py``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.outputs import KvSaveResult, RequestOutput
+from engine.core.request import Request, RequestStatus
+from engine.kv.transfers import KVTransferCoordinator, LoadOutcome
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
+    from engine.output_processor import OutputProcessor
+
+
+class KVServing:
+    """Mixed into ``LLMEngine``, whose parts these use."""
+
+    scheduler: Scheduler
+    outputs: OutputProcessor
+    transfers: KVTransferCoordinator | None
+
+    if TYPE_CHECKING:
+
+        def _fail(self, request: Request, error: str) -> RequestOutput: ...
+
+    def _handle_transfers(self) -> list[RequestOutput]:
+        assert self.transfers is not None
+        outputs: list[RequestOutput] = []
+        found = self.transfers.poll()
+        for outcome in found.loads:
+            outputs += self._on_loaded(outcome)
+        for request, saved in found.saves:
+            outputs.append(self._on_saved(request, saved))
+        for request in found.released:
+            self.scheduler.release(request)
+        for request in self.transfers.start_pending_loads():
+            self.scheduler.make_ready(request)
+        return outputs
+
+    def _on_loaded(self, outcome: LoadOutcome) -> list[RequestOutput]:
+        request = outcome.request
+        if outcome.aborted:  # its abort output went out already; the blocks may go now
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            return []
+        request.kv_load_seconds = outcome.seconds
+        request.kv_blocks_loaded = outcome.blocks_loaded
+        request.kv_blocks_recomputed = outcome.blocks_recomputed
+        if not outcome.ok:
+            return [self._fail(request, outcome.error or "KV load failed")]
+        self.scheduler.make_ready(request)
+        return []
+
+    def _on_saved(self, request: Request, saved: KvSaveResult) -> RequestOutput:
+        if saved.held:  # held (p2p): the blocks go when the connector releases them
+            self.scheduler.requests.pop(request.request_id, None)
+        else:
+            self.scheduler.release(request)
+        out = self.outputs.output(request, [], "", finished=True)
+        out.kv_saved = saved
+        return out
+
+    def close_kv(self) -> None:
+        """Stop the KV connector's workers (on every rank) and release the store."""
+        if self.transfers is not None:
+            self.transfers.connector.close()

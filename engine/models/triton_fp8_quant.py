@@ -1,0 +1,75 @@
+"""Per-token (per-row) dynamic e4m3 quantization of activations in one Triton launch.
+
+``fp8.quantize_rows`` in torch is eight elementwise/reduction kernels with float32
+intermediates (cast, abs, amax, divide, clamp, divide, clamp, cast). At decode, under CUDA
+graphs, those launches dominate an FP8 projection: 4 projections x 32 layers x 8 kernels
+is ~1,000 small kernels a step, which is what kept W8A8 slower than bf16 at batch 128
+(issue 23). Here one program per row reads the row twice (once for its largest magnitude,
+once to scale, round and store) and writes the e4m3 row and its float32 scale: the same
+values as ``quantize_rows`` (round to nearest even, saturated at +-448, the same scale
+floor), checked against it in tests/unit/test_fp8_quant_kernel.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+_BLOCK = 1024  # columns per pass: K=4096 is 4 passes, K=14336 is 14
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_x,
+    stride_q,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < K
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(
+    rows: torch.Tensor, fp8_max: float, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K] e4m3, scale [M] float32)`` of a 2-D ``rows`` whose last dim is contiguous."""
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be 2-D with contiguous rows, got {tuple(rows.shape)}")
+    m, k = rows.shape
+    q = torch.empty((m, k), dtype=FP8, device=rows.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=rows.device)
+    if m:
+        _quant_rows_kernel[(m,)](
+            rows,
+            q,
+            scale,
+            k,
+            rows.stride(0),
+            q.stride(0),
+            FP8_MAX=fp8_max,
+            MIN_SCALE=min_scale,
+            BLOCK=_BLOCK,
+            num_warps=4,
+        )
+    return q, scale

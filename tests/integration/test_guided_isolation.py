@@ -1,0 +1,91 @@
+"""Grammar compiles run in their own process, under a memory and a time budget (issue 24
+item 4; engine/sampling/grammar_worker.py).
+
+A choice list of 3000 long strings needs hundreds of MB and tens of seconds to compile
+with SmolLM2's vocabulary. Here, with real helper processes:
+
+- over ``guided_compile_memory`` (64Mi) the compile fails in its child, the request is
+  refused naming the limit, the guide is then refused at once, the engine process did not
+  grow by the compile's memory, and no compile child is left behind;
+- over ``guided_compile_timeout`` (3 s) the child is killed and the request refused naming
+  that limit, while a plain request beside it ran all its steps during the compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.core.guided_spec import GuidedSpec
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.sampling.guided import GUIDE_REFUSED
+
+BOMB = GuidedSpec.choice([f"choice number {i} " + "z" * 40 for i in range(3000)])
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str], bool]:
+    """Step until done: tokens and errors by request, and whether the plain request ended
+    while the guided one was still compiling."""
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    plain_done_during_compile = False
+    for _ in range(100_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.error:
+                errors[out.request_id] = out.error
+            if out.request_id == "plain" and out.finished:
+                plain_done_during_compile = engine.guided.has_pending()
+    return tokens, errors, plain_done_during_compile
+
+
+def test_compile_over_its_memory_budget_is_refused_and_its_memory_returned(engine_factory) -> None:
+    engine = engine_factory(guided_compile_memory=64 << 20, guided_compile_timeout=120)
+    rss_before = _rss_mib(os.getpid())
+    engine.add_request("bomb", [1, 2, 3], SamplingParams(max_tokens=4, guided=BOMB))
+    _, errors, _ = _run(engine)
+    assert errors["bomb"].startswith(GUIDE_REFUSED)
+    assert "--guided-compile-memory" in errors["bomb"] and str(64 << 20) in errors["bomb"]
+    with pytest.raises(ValueError, match="--guided-compile-memory"):
+        engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=4, guided=BOMB))
+    # The compile's memory was its child's: this process holds only the tokenizer's view.
+    assert _rss_mib(os.getpid()) - rss_before < 150
+    helper = engine.guided._worker._proc  # noqa: SLF001 - the helper process itself
+    assert helper is not None and helper.poll() is None
+    assert _children_of(helper.pid) == [], "a compile child outlived its compile"
+
+
+def test_compile_over_its_time_budget_is_killed_while_others_step(engine_factory) -> None:
+    engine = engine_factory(guided_compile_timeout=3.0)
+    engine.add_request("bomb", [1, 2, 3], SamplingParams(max_tokens=4, guided=BOMB))
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("plain", [4, 5, 6, 7], plain)
+    tokens, errors, plain_during = _run(engine)
+    assert len(tokens["plain"]) == 8 and "plain" not in errors
+    assert plain_during, "the plain request waited for the compile"
+    assert "--guided-compile-timeout" in errors["bomb"] and "3 s" in errors["bomb"]
+    helper = engine.guided._worker._proc  # noqa: SLF001
+    assert _children_of(helper.pid) == []

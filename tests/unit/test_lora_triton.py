@@ -1,0 +1,115 @@
+"""The Triton LoRA kernels (engine/lora/triton_lora.py) against the torch path
+(engine/lora/slots.py ``lora_torch``) and a float64 reference, on the CPU through Triton's
+interpreter; tests/gpu/test_lora_gpu.py runs the same cases and 8B shapes on a GPU.
+
+Each case draws a batch whose tokens mix several slots and base-model tokens (slot -1),
+over a merged projection of 1-3 sub-modules, with adapters of ranks at and below the
+slot rank (the rows past an adapter's rank are zero, as ``LoRASlots.load`` leaves them).
+Bound per element: ``|y - ref| <= tol * (|x| |A|^T |B|^T + |base|)`` in float64, with tol
+2^-18 for float32 and 2^-6 for bf16 (two roundings to bf16: the projection output it adds
+to and the sum); base-model rows must come back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from tests.triton_interpreter import interpreted_results
+
+# name: (tokens, in, sub-module output sizes, slot rank, slots, dtype)
+SMALL_CASES: dict[str, tuple[int, int, list[int], int, int, str]] = {
+    "qkv_f32_mixed": (7, 64, [64, 32, 32], 8, 3, "float32"),
+    "o_f32_ragged": (5, 70, [33], 4, 2, "float32"),
+    "gate_up_f32_rank16": (4, 130, [48, 48], 16, 2, "float32"),
+    "down_bf16": (6, 96, [64], 8, 4, "bfloat16"),
+    "qkv_bf16_one_token": (1, 64, [64, 16, 16], 8, 2, "bfloat16"),
+}
+TOL = {"float32": 2.0**-18, "bfloat16": 2.0**-6}
+
+
+def lora_case(
+    t: int, fan_in: int, sizes: list[int], rank: int, n_slots: int, dtype_name: str,
+    device: str, seed: int,
+) -> dict[str, float]:  # fmt: skip
+    """Largest error / bound of the Triton and the torch path, and whether base rows
+    were left untouched (0.0) or not (inf)."""
+    import torch
+
+    from engine.lora.slots import lora_torch
+    from engine.lora.triton_lora import lora_shrink_expand
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, dtype_name)
+    subs, n = len(sizes), sum(sizes)
+    offsets = [sum(sizes[:i]) for i in range(subs)]
+    a = torch.zeros(n_slots, subs * rank, fan_in)
+    b = torch.zeros(n_slots, n, rank)
+    for s in range(n_slots):
+        r = max(1, rank >> (s % 3))  # ranks at and below the slot rank
+        for i, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
+            a[s, i * rank : i * rank + r] = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
+            b[s, off : off + size, :r] = torch.randn(size, r, generator=gen)
+    x = torch.randn(t, fan_in, generator=gen)
+    base = torch.randn(t, n, generator=gen)
+    slots = torch.randint(-1, n_slots, (t,), generator=gen, dtype=torch.int32)
+    slots[0] = 0  # at least one adapter token
+    if t > 2:
+        slots[1] = -1  # and one base-model token
+    x, base, a, b = (v.to(dtype).to(device) for v in (x, base, a, b))
+    slots = slots.to(device)
+    ref = base.double().clone()
+    mag = base.double().abs()
+    for i in range(t):
+        s = int(slots[i])
+        if s < 0:
+            continue
+        shr = x[i].double() @ a[s].double().T
+        shr_mag = x[i].double().abs() @ a[s].double().abs().T
+        for j, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
+            seg = slice(j * rank, (j + 1) * rank)
+            ref[i, off : off + size] += b[s, off : off + size].double() @ shr[seg]
+            mag[i, off : off + size] += b[s, off : off + size].double().abs() @ shr_mag[seg]
+    bound = TOL[dtype_name] * mag + 1e-30
+    out: dict[str, float] = {}
+    triton_out = base.clone()
+    lora_shrink_expand(x, triton_out, a, b, slots, offsets, rank)
+    present = sorted({int(s) for s in slots.tolist() if s >= 0})
+    torch_out = base.clone()
+    lora_torch(x, torch_out, a, b, slots, present, offsets, sizes, rank)
+    out["triton"] = float(((triton_out.double() - ref).abs() / bound).max())
+    out["torch"] = float(((torch_out.double() - ref).abs() / bound).max())
+    keep = slots < 0
+    same = torch.equal(triton_out[keep], base[keep]) and torch.equal(torch_out[keep], base[keep])
+    out["base_rows"] = 0.0 if same else float("inf")
+    return out
+
+
+def run_cases(cases: dict[str, Any], device: str) -> dict[str, float]:
+    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    print(f"seed {seed}", file=sys.stderr)
+    out = {}
+    for i, (name, spec) in enumerate(cases.items()):
+        for part, value in lora_case(*spec, device, seed + i).items():
+            out[f"{name}/{part}"] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, float]:
+    return interpreted_results(__file__)
+
+
+@pytest.mark.parametrize(
+    "name", [f"{c}/{p}" for c in SMALL_CASES for p in ("triton", "torch", "base_rows")]
+)
+def test_lora_kernels_under_interpreter(results: dict[str, float], name: str) -> None:
+    assert results[name] <= 1.0, f"{name}: error {results[name]:.3g} x the bound"
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_cases(SMALL_CASES, "cpu")))

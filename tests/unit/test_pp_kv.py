@@ -1,0 +1,79 @@
+"""KV records and handles of pipeline-parallel engines (docs/design.md §3, "KV with pipeline
+parallelism"): the fingerprint names P (and N), each grid process keys its records under its
+own rank, the engine process's layout holds stage 0's layers only, and a handle of another
+P or N is refused naming both sizes and the flag (the handoff between real services is
+``tests/integration/test_pp_pd.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv.fingerprint import (
+    kv_layout,
+    model_fingerprint,
+    pipeline_parallel_size_of,
+    tensor_parallel_size_of,
+)
+from engine.models import ModelArgs
+from engine_service.convert import check_handle_compatible, kv_handle_fields
+from engine_service.errors import IncompatibleKvHandle
+from kv_store.tp_connector import rank_fingerprint
+from pdserve_api.v1 import pdserve_pb2 as pb
+
+
+def _config(model: Path, pp: int = 1, tp: int = 1) -> EngineConfig:
+    return EngineConfig(model=str(model), pipeline_parallel_size=pp, tensor_parallel_size=tp)
+
+
+def test_fingerprints_name_p_and_n(tiny_model_dir: Path) -> None:
+    prints = {
+        (pp, tp): model_fingerprint(_config(tiny_model_dir, pp, tp))
+        for pp, tp in ((1, 1), (2, 1), (1, 2), (2, 2))
+    }
+    assert prints[(2, 1)].endswith("-pp2") and prints[(2, 2)].endswith("-pp2-tp2")
+    assert len({fp[:32] for fp in prints.values()}) == 4  # the hashes differ too
+    for (pp, tp), fp in prints.items():
+        assert (pipeline_parallel_size_of(fp), tensor_parallel_size_of(fp)) == (pp, tp)
+    # Grid process g (stage g // N, TP rank g % N) keys its records under its own rank.
+    grid = prints[(2, 2)]
+    assert [rank_fingerprint(grid, g, 4) for g in range(4)] == [f"{grid}-r{g}" for g in range(4)]
+
+
+def test_the_engine_layout_holds_stage_0s_layers(tiny_model_dir: Path) -> None:
+    args = ModelArgs.from_hf(_config(tiny_model_dir).hf_config())
+    whole = kv_layout(_config(tiny_model_dir), args, args.num_kv_heads)
+    staged = kv_layout(_config(tiny_model_dir, pp=2), args, args.num_kv_heads)
+    assert whole.num_layers == args.num_layers == 2
+    assert staged.num_layers == 1  # stage 0's half: its records say so, a load checks it
+
+
+@pytest.mark.parametrize(
+    ("theirs", "mine", "says"),
+    [
+        ((2, 1), (1, 1), "pipeline_parallel_size 2 (prefill) != 1 (this decode instance)"),
+        ((1, 1), (2, 1), "pipeline_parallel_size 1 (prefill) != 2 (this decode instance)"),
+        ((2, 1), (1, 2), "tensor_parallel_size 1 (prefill) != 2"),  # same 2 processes
+    ],
+)
+def test_a_handle_of_another_grid_is_refused(
+    tiny_model_dir: Path, theirs: tuple[int, int], mine: tuple[int, int], says: str
+) -> None:
+    def engine(pp: int, tp: int) -> SimpleNamespace:
+        config = _config(tiny_model_dir, pp, tp)
+        args = ModelArgs.from_hf(config.hf_config())
+        heads = args.num_kv_heads // tp
+        return SimpleNamespace(
+            model_fingerprint=model_fingerprint(config), kv_layout=kv_layout(config, args, heads)
+        )
+
+    handle = pb.KvHandle(**kv_handle_fields(engine(*theirs)), num_tokens=16, block_keys=["k"])
+    check_handle_compatible(handle, engine(*theirs))  # its own kind passes
+    with pytest.raises(IncompatibleKvHandle) as refused:
+        check_handle_compatible(handle, engine(*mine))
+    assert says in str(refused.value)
+    flag = "--pipeline-parallel-size" if "pipeline" in says else "--tensor-parallel-size"
+    assert f"run both pools with the same {flag}" in str(refused.value)
