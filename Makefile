@@ -10,6 +10,10 @@ PYTEST_ARGS ?=
 # most tests wait on real processes, so 2 workers fit the 2-core CI machine.
 # TEST_WORKERS=0 runs everything in this process (docs/testing.md).
 TEST_WORKERS ?= 2
+# The whole run's deadline (CI allows 90 min; the suite takes ~25). At the limit pytest gets
+# SIGINT and prints what it has (the tests still running, the summary) instead of being cut
+# off silently; SIGKILL 2 min later if it does not stop.
+TEST_TIME_LIMIT ?= 75m
 
 .PHONY: serve test venv tools model lint stubs clean
 
@@ -50,7 +54,8 @@ serve: model
 	$(VENV)/bin/pdserve up
 
 test: venv tools model
-	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs -p no:cacheprovider \
+	PATH="$(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$$PATH" timeout -s INT -k 2m $(TEST_TIME_LIMIT) \
+	  $(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 \
 	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv

@@ -9,7 +9,7 @@ import pytest
 from tests.servers import ManagedServer, start_lmcache, start_redis
 
 # Model fixtures (tiny random models, SmolLM2) live in their own module.
-pytest_plugins = ["tests.model_fixtures", "tests.service_fixtures"]
+pytest_plugins = ["tests.model_fixtures", "tests.service_fixtures", "tests.xdist_crash_guard"]
 
 # -- KV stores (kv_store tests, engine/service integration) -----------------------------------
 

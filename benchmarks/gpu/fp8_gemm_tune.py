@@ -160,5 +160,6 @@ def main() -> None:
             CONFIG_FILE.write_text(json.dumps(table, indent=1) + "\n")
             print(f"wrote {CONFIG_FILE} ({name})", flush=True)
 
+
 if __name__ == "__main__":
     main()
