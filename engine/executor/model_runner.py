@@ -123,6 +123,22 @@ class ModelRunner:
             self.backend.name,
         )
 
+    def release(self) -> None:
+        """Give back the weights, the KV pool and the decode graphs (engine shutdown).
+
+        Dropping the engine is not enough on CUDA: on the H200 a shut-down engine's runner
+        stayed reachable after ``gc.collect()`` (a referrer the collector cannot see; the
+        captured graphs are the suspect), keeping its 0.9 of the GPU, so a second engine in
+        the same process (a benchmark's second mode, the next GPU test) ran out of memory.
+        The runner is unusable afterwards."""
+        if not hasattr(self, "model"):
+            return  # released already
+        self.graphs = None
+        self.kv_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        del self.model  # the weights go with the last reference to the module
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
         backend that reads only device tensors: ``triton``, or one with

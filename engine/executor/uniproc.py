@@ -23,4 +23,4 @@ class UniprocExecutor:
         pass  # one process: nothing can be lost behind its back
 
     def shutdown(self) -> None:
-        pass
+        self.runner.release()
