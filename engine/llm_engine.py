@@ -365,6 +365,8 @@ class LLMEngine(EngineReports, KVServing):
         grammar helper); idempotent."""
         self.executor.shutdown()
         self.guided.shutdown()
+        # What __init__ froze may now be garbage: let the collector see it again.
+        gc.unfreeze()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block, host tier included (benchmarks: cold prefills)."""

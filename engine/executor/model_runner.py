@@ -126,11 +126,11 @@ class ModelRunner:
     def release(self) -> None:
         """Give back the weights, the KV pool and the decode graphs (engine shutdown).
 
-        Dropping the engine is not enough on CUDA: on the H200 a shut-down engine's runner
-        stayed reachable after ``gc.collect()`` (a referrer the collector cannot see; the
-        captured graphs are the suspect), keeping its 0.9 of the GPU, so a second engine in
-        the same process (a benchmark's second mode, the next GPU test) ran out of memory.
-        The runner is unusable afterwards."""
+        Dropping the engine is not enough: the runner is in a reference cycle (its decode
+        graphs' forward closes over it) and the engine's ``gc.freeze()`` at start-up moved
+        that cycle where the collector never looks. On the H200 a shut-down engine so kept
+        its 0.9 of the GPU, and a second engine in the same process (a benchmark's second
+        mode, the next GPU test) ran out of memory. The runner is unusable afterwards."""
         if not hasattr(self, "model"):
             return  # released already
         self.graphs = None
