@@ -12,31 +12,21 @@ import random
 
 import torch
 
-from engine.async_scheduling import StepPipeline, can_defer
+from engine.async_scheduling import can_defer
 from engine.client import GenerateRequest
 from engine.config import EngineConfig
-from engine.core.detokenizer import load_tokenizer
 from engine.core.outputs import RequestOutput, TokenLogprob
 from engine.core.request import RemoteKV, Request, RequestStatus
-from engine.core.request_limits import RequestLimits
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledRequest, Scheduler
+from engine.core.scheduler import ScheduledRequest
+from engine.engine_parts import build_engine_parts
 from engine.engine_reports import EngineReports
-from engine.executor import make_executor
-from engine.kv.fingerprint import kv_layout, model_fingerprint
-from engine.kv.host_tier import build_kv_cache
-from engine.kv.transfers import KVTransferCoordinator, kv_worker
 from engine.kv_serving import KVServing
 from engine.lora.manager import SLOT_TIMEOUT_ERROR
-from engine.lora_serving import LoRAServing, bind_lora
-from engine.models import ModelArgs
-from engine.output_processor import OutputProcessor
-from engine.pp_batches import InflightBatches
+from engine.lora_serving import bind_lora
 from engine.sampling import prompt_logprobs
-from engine.sampling.guided import GuidedDecoding
 from engine.sampling.prompt_logprobs import wants_prompt_rows
-from engine.sampling.sampler import SampledToken, Sampler
-from engine.spec_decode.decoder import SpecDecoder
+from engine.sampling.sampler import SampledToken
 from kv_store.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -45,67 +35,21 @@ logger = logging.getLogger(__name__)
 class LLMEngine(EngineReports, KVServing):
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
-        self.args = ModelArgs.from_hf(config.hf_config())
-        self.max_model_len = self.args.max_model_len(config.max_model_len)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = frozenset(self.args.eos_token_ids)
-        if connector is not None:  # refused before any rank starts
-            # Every process of the P x N grid moves its own KV (docs/design.md §3).
-            connector.check_ranks(config.tensor_parallel_size * config.pipeline_parallel_size)
-        # Runs the model: here, or sharded over worker processes (tensor parallelism).
-        self.executor = make_executor(config, self.args, self.max_model_len)
-        self.runner = self.executor.runner  # this process's runner (rank 0's shard)
-        # Blocks outside every layer's window are released as requests advance; not when
-        # a connector may still save or hold a request's prompt blocks (kept whole there).
-        window = self.args.max_window if connector is None else 0
-        # The block tables and prefix cache, its event log and host tier (when on).
-        self.kv, self.kv_events, self.host_tier = build_kv_cache(config, self.runner, window)
-        # Multi-LoRA (engine/lora/): the adapters' slots and registry, when enabled.
-        self.lora = LoRAServing(config, self.args, self.runner) if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.kv, self.lora.manager if self.lora else None)
-        self.sampler = Sampler()
-        self.guided = GuidedDecoding.for_engine(
-            self.tokenizer, self.args.vocab_size, sorted(self.eos_token_ids), config
-        )
-        spec = config.speculative_config()
-        self.spec = (
-            None
-            if spec is None
-            else SpecDecoder(
-                config, spec, self.args, self.max_model_len, self.runner.num_blocks, self.tokenizer
-            )
-        )
-        self.model_fingerprint = model_fingerprint(config)
-        self.kv_layout = kv_layout(config, self.args, self.runner.num_kv_heads)
-        # The connector is the scheduler side; bytes move via its worker side (docs/design.md §3).
         self.connector = connector
-        self.transfers: KVTransferCoordinator | None = None
-        if connector is not None:
-            try:
-                worker = kv_worker(connector, config, self.executor)
-                worker.bind_kv_cache(self.runner.kv_cache, self.kv_layout, self.model_fingerprint)
-                self.transfers = KVTransferCoordinator(worker, self.kv, config.kv_load_failure)
-            except Exception:
-                self.executor.shutdown()  # no worker outlives a failed start
-                raise
-        self.limits = RequestLimits(
-            self.max_model_len,
-            self.args.vocab_size,
-            config.block_size,
-            self.kv.pool.num_usable_blocks,
-            connector is not None,
-        )
-        self.outputs = OutputProcessor(self.tokenizer, self.guided, self.max_model_len)
+        parts = build_engine_parts(config, connector)  # engine/engine_parts.py: the order
+        self.args, self.max_model_len = parts.args, parts.max_model_len
+        self.tokenizer, self.eos_token_ids = parts.tokenizer, parts.eos_token_ids
+        self.executor, self.runner = parts.executor, parts.runner
+        self.kv, self.kv_events, self.host_tier = parts.kv, parts.kv_events, parts.host_tier
+        self.lora = parts.lora
+        self.scheduler, self.sampler, self.guided = parts.scheduler, parts.sampler, parts.guided
+        self.spec = parts.spec
+        self.model_fingerprint, self.kv_layout = parts.model_fingerprint, parts.kv_layout
+        self.transfers = parts.transfers
+        self.limits, self.outputs = parts.limits, parts.outputs
+        self.pipeline, self.batches = parts.pipeline, parts.batches
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
-        self.pipeline = (
-            StepPipeline(self.scheduler, self.executor, self.sampler, self.max_model_len)
-            if config.async_scheduling_on
-            else None
-        )
-        # Pipeline stages: up to P batches in flight (engine/pp_batches.py).
-        depth = config.inflight_batches
-        self.batches = InflightBatches(self.scheduler, self.executor, depth) if depth > 1 else None  # type: ignore[arg-type]
         self.num_steps = 0
         # Move everything built so far (weights' wrappers, ~num_blocks block objects) out of
         # the GC's generations, so collections in the step loop stay short.
