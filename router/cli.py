@@ -8,6 +8,7 @@ SIGINT/SIGTERM. Torch-free.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 from typing import Any
@@ -141,6 +142,12 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from None
     logger.info("router listening on http://%s:%d (mode %s)", args.host, args.port, args.mode)
+    # The tokenizer, the app and the libraries are built now and live as long as the process:
+    # move them out of the collector's generations, so a burst of requests (whose garbage
+    # triggers full collections) does not pay for scanning them each time; vLLM's API server
+    # does the same. Measured: docs/router.md "Garbage collection".
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(
         app,
         host=args.host,
