@@ -27,8 +27,9 @@ def _first_pending(units: dict[str, dict[str, bool]]) -> str | None:
 
 
 def remove_node(self: Any, node: Any) -> str | None:
+    # Its registered collection stays, as upstream keeps it: ``collection_is_completed``
+    # counts the collections, and a worker that finished cleanly comes through here too.
     workload: dict[str, dict[str, bool]] = self.assigned_work.pop(node)
-    self.registered_collections.pop(node, None)
     crashitem = _first_pending(workload)
     if crashitem is None:
         return None  # a clean exit: everything it was given has run
