@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+
+from tests.seeds import fixed_seed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +51,7 @@ def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
     from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
     from engine.models import ModelArgs, build_model
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fixed_seed()
     rng = random.Random(seed)
     args = ModelArgs(
         architecture="LlamaForCausalLM",

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.seeds import fixed_seed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,7 +90,7 @@ def test_tiny_fp32_greedy_matches_transformers(
 
     from engine.core.sampling_params import SamplingParams
 
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    seed = fixed_seed()
     rng = random.Random(seed)
     model_dir = _save_random_llama(tmp_path / "tiny", TINY, torch.float32, seed)
     prefix = [rng.randrange(3, 1000) for _ in range(40)]
@@ -167,7 +168,7 @@ def test_llama_1b_bf16_logprobs_close_to_transformers(tmp_path: Path) -> None:
 
     from engine.core.sampling_params import SamplingParams
 
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    seed = fixed_seed()
     rng = random.Random(seed)
     params = json.loads((CONFIGS / "llama-3.2-1b" / "config.json").read_text())
     params.pop("architectures", None)

@@ -7,11 +7,12 @@ tests/unit/test_triton_interpret.py.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+
+from tests.seeds import fixed_seed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +53,7 @@ SHAPES = {
 
 
 def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+    return fixed_seed()
 
 
 def _check(name: str, spec: tuple, dtype: torch.dtype, seed: int) -> None:

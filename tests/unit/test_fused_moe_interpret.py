@@ -8,10 +8,10 @@ expert, pad to the M tile) is checked on its own."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import run_interpreted
 
 # id: (tokens, hidden, inter, experts, top_k, dtype, fp8, block_m)
@@ -62,7 +62,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fixed_seed()
     results = {name: _run_case(spec, seed + i) for i, (name, spec) in enumerate(CASES.items())}
     print(json.dumps({"seed": seed, "results": results}))
 

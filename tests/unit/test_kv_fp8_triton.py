@@ -16,11 +16,11 @@ device) check that k_scale/v_scale reach the right places.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import run_interpreted
 
 # id: (q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, k_scale, v_scale, splits)
@@ -153,7 +153,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fixed_seed()
     results: dict[str, Any] = {
         name: run_case(spec, seed + i, "cpu") for i, (name, spec) in enumerate(CASES.items())
     }

@@ -13,12 +13,12 @@ to and the sum); base-model rows must come back bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import interpreted_results
 
 # name: (tokens, in, sub-module output sizes, slot rank, slots, dtype)
@@ -90,7 +90,7 @@ def lora_case(
 
 
 def run_cases(cases: dict[str, Any], device: str) -> dict[str, float]:
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    seed = fixed_seed()
     print(f"seed {seed}", file=sys.stderr)
     out = {}
     for i, (name, spec) in enumerate(cases.items()):

@@ -5,12 +5,12 @@ else in the destination changes. (The GPU run: tests/gpu/test_p2p_ipc_gpu.py.)""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import interpreted_results
 
 CASES = {
@@ -57,7 +57,7 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    seed = fixed_seed()
     print(f"seed {seed}", file=sys.stderr)
     print(
         json.dumps({name: run_case(spec, seed + i) for i, (name, spec) in enumerate(CASES.items())})

@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import run_interpreted
 
 # id: (q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, forced splits or 0, pad)
@@ -103,7 +104,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fixed_seed()
     results = {name: _run_case(spec, seed + i) for i, (name, spec) in enumerate(CASES.items())}
     print(json.dumps({"seed": seed, "results": results}))
 

@@ -10,12 +10,12 @@ the same cases at full size on the GPU.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 import pytest
 
+from tests.seeds import fixed_seed
 from tests.triton_interpreter import interpreted_results
 
 # name: (op, rows/tokens, width or (q_heads, kv_heads, head_dim), dtype)
@@ -152,7 +152,7 @@ def _model_case(n: int, dtype: Any, device: str, seed: int) -> float:
 
 
 def run_cases(cases: dict[str, tuple[str, int, Any, str]], device: str) -> dict[str, float]:
-    seed = int.from_bytes(os.urandom(4), "little") % 10_000
+    seed = fixed_seed()
     print(f"seed {seed}", file=sys.stderr)
     return {name: _case(*spec, device, seed + i) for i, (name, spec) in enumerate(cases.items())}
 
