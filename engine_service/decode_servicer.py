@@ -17,6 +17,7 @@ healthy decode instance the router has a prefill instance serve whole requests
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,43 +81,48 @@ class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):
         request_id, prompt, generated, params, remote_kv = self._prepare(request)
         start = time.monotonic()
         first = True
-        stream = core.run(
-            GenerateRequest(
-                request_id,
-                prompt,
-                params,
-                output_token_ids=generated or None,
-                remote_kv=remote_kv,
-                priority=request.priority,
-                lora_name=request.lora_name or None,
-            ),
-            owner=peer_identity(context),  # the only identity that may Abort it
-        )
-        async for out in stream:
-            if out.error and out.error.startswith(GUIDE_REFUSED):
-                raise ValueError(out.error)  # INVALID_ARGUMENT: the guide is over budget
-            if out.error == SLOT_TIMEOUT_ERROR:
-                raise LoRASlotBusy(f"request {request_id}: {out.error}")
-            if out.error:
-                # --kv-load-failure fail: the prompt's KV could not be loaded.
-                raise ServiceUnavailable(f"request {request_id}: {out.error}")
-            chunk = pb.DecodeChunk(
-                token_ids=out.new_token_ids,
-                text=out.new_text,
-                logprobs=logprobs_to_proto(out.logprobs),
-                finished=out.finished,
-                finish_reason=out.finish_reason or "",
-                num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens,
-                prompt_logprobs=logprobs_to_proto(out.prompt_logprobs),
+        # Closed on every exit (an error raised below, the caller gone): a generator left
+        # suspended would keep the request counted in flight, and unaborted, until the
+        # cyclic GC ran (a drain then waited its whole grace for it).
+        async with contextlib.aclosing(
+            core.run(
+                GenerateRequest(
+                    request_id,
+                    prompt,
+                    params,
+                    output_token_ids=generated or None,
+                    remote_kv=remote_kv,
+                    priority=request.priority,
+                    lora_name=request.lora_name or None,
+                ),
+                owner=peer_identity(context),  # the only identity that may Abort it
             )
-            if first or out.finished:
-                elapsed = time.monotonic() - start
-                timings = phase_timings(
-                    out, compute_s=elapsed - out.queue_seconds - out.kv_load_seconds
+        ) as stream:
+            async for out in stream:
+                if out.error and out.error.startswith(GUIDE_REFUSED):
+                    raise ValueError(out.error)  # INVALID_ARGUMENT: the guide is over budget
+                if out.error == SLOT_TIMEOUT_ERROR:
+                    raise LoRASlotBusy(f"request {request_id}: {out.error}")
+                if out.error:
+                    # --kv-load-failure fail: the prompt's KV could not be loaded.
+                    raise ServiceUnavailable(f"request {request_id}: {out.error}")
+                chunk = pb.DecodeChunk(
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    logprobs=logprobs_to_proto(out.logprobs),
+                    finished=out.finished,
+                    finish_reason=out.finish_reason or "",
+                    num_prompt_tokens=out.num_prompt_tokens,
+                    num_cached_tokens=out.num_cached_tokens,
+                    prompt_logprobs=logprobs_to_proto(out.prompt_logprobs),
                 )
-                chunk.timings.CopyFrom(timings)
-            first = False
-            if out.finished:
-                core.metrics.observe_timings(chunk.timings)
-            yield chunk
+                if first or out.finished:
+                    elapsed = time.monotonic() - start
+                    timings = phase_timings(
+                        out, compute_s=elapsed - out.queue_seconds - out.kv_load_seconds
+                    )
+                    chunk.timings.CopyFrom(timings)
+                first = False
+                if out.finished:
+                    core.metrics.observe_timings(chunk.timings)
+                yield chunk

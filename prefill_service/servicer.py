@@ -10,6 +10,7 @@ that the instance is fine: decode computes the prompt itself.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -64,36 +65,39 @@ class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):
             priority=request.priority,
             lora_name=request.lora_name or None,
         )
-        async for out in core.run(new, owner=peer_identity(context)):
-            last = out
-            if out.error and out.error.startswith(GUIDE_REFUSED):
-                raise ValueError(out.error)  # INVALID_ARGUMENT: the guide is over budget
-            if out.error == SLOT_TIMEOUT_ERROR:  # waited past its deadline for a LoRA slot
-                raise LoRASlotBusy(f"request {request_id}: {out.error}")
-            if out.new_token_ids and first_at is None:
-                first_at = time.monotonic()
-                yield pb.PrefillEvent(
-                    first_token=self._first_token(out),
-                    timings=phase_timings(out, compute_s=first_at - start - out.queue_seconds),
-                )
-            if out.kv_saved is not None:
-                saved = out.kv_saved
-                if saved.error:
-                    # The router gets UNAVAILABLE (trailer kv-save-failed) after the first
-                    # token: no handle will come, and the store, not this instance, is at
-                    # fault, so decode computes the prompt itself.
-                    raise KVSaveFailed(f"KV save of request {request_id} failed: {saved.error}")
-                timings = phase_timings(
-                    out,
-                    compute_s=(first_at or time.monotonic()) - start - out.queue_seconds,
-                    kv_save_s=saved.seconds,
-                )
-                core.metrics.observe_timings(timings)
-                handle = kv_handle(core.engine, saved, self._connector_name)
-                # What the decode side checks against its own copy (docs/design.md §3 "LoRA").
-                handle.lora_identity = lora_identity(core.engine, request.lora_name)
-                yield pb.PrefillEvent(kv_committed=handle, timings=timings)
-                committed = True  # the last output; the engine's stream ends right after
+        # Closed on every exit (see engine_service/decode_servicer.py Decode): an error raised
+        # below must not leave the request counted in flight until the cyclic GC runs.
+        async with contextlib.aclosing(core.run(new, owner=peer_identity(context))) as outputs:
+            async for out in outputs:
+                last = out
+                if out.error and out.error.startswith(GUIDE_REFUSED):
+                    raise ValueError(out.error)  # INVALID_ARGUMENT: the guide is over budget
+                if out.error == SLOT_TIMEOUT_ERROR:  # waited past its deadline for a LoRA slot
+                    raise LoRASlotBusy(f"request {request_id}: {out.error}")
+                if out.new_token_ids and first_at is None:
+                    first_at = time.monotonic()
+                    yield pb.PrefillEvent(
+                        first_token=self._first_token(out),
+                        timings=phase_timings(out, compute_s=first_at - start - out.queue_seconds),
+                    )
+                if out.kv_saved is not None:
+                    saved = out.kv_saved
+                    if saved.error:
+                        # The router gets UNAVAILABLE (trailer kv-save-failed) after the first
+                        # token: no handle will come, and the store, not this instance, is at
+                        # fault, so decode computes the prompt itself.
+                        raise KVSaveFailed(f"KV save of request {request_id} failed: {saved.error}")
+                    timings = phase_timings(
+                        out,
+                        compute_s=(first_at or time.monotonic()) - start - out.queue_seconds,
+                        kv_save_s=saved.seconds,
+                    )
+                    core.metrics.observe_timings(timings)
+                    handle = kv_handle(core.engine, saved, self._connector_name)
+                    # What the decode side checks against its own copy (docs/design.md §3 "LoRA").
+                    handle.lora_identity = lora_identity(core.engine, request.lora_name)
+                    yield pb.PrefillEvent(kv_committed=handle, timings=timings)
+                    committed = True  # the last output; the engine's stream ends right after
         if committed:
             return
         if last is not None and last.finish_reason == "abort":

@@ -224,3 +224,7 @@ def test_waiting_for_a_slot_is_a_503_with_retry_after(
     assert not thread.is_alive(), "the alpha stream did not finish in 120 s"
     assert holder["text"].startswith(lora_setup["offline"]["alpha"])
     assert metric(decode.metrics_url, "pdserve_lora_slot_timeouts_total", role="decode") >= 1
+    # The refused request is not left in flight: a drain finds nothing to wait for (it
+    # waited its whole grace while the servicer left the request's stream unclosed).
+    assert decode.stop() == 0
+    assert "draining: 0 request(s) in flight" in decode.log_tail(), decode.log_tail()

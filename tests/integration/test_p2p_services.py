@@ -100,6 +100,10 @@ def test_prefill_abort_before_the_pull(process_stack: ProcessStack, policy: str)
             decode(dec, PROMPT, first, handle)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "KV load failed (missing)" in (info.value.details() or "")
+        # The refused request is no longer in flight: a drain has nothing to wait for (it
+        # waited its whole grace while the servicer left the request's stream unclosed).
+        assert dec.stop() == 0
+        assert "draining: 0 request(s) in flight" in dec.log_tail(), dec.log_tail()
         return
     tokens, timings = decode(dec, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 0 and timings.kv_blocks_recomputed == 3
