@@ -22,7 +22,9 @@ from tests.e2e.router_support import metric, running_requests, wait_for
 from tests.service_fixtures import ProcessStack, ServiceProcess
 
 PROMPT = "In a quiet village by the sea, the old lighthouse keeper"
-TOKENS = 120
+# Long enough that the decode is still generating when the pause lands at chunk 5, even on
+# a loaded machine (tests/e2e/test_router_degrade.py lost that race with 60 tokens).
+TOKENS = 240
 
 
 @dataclass
