@@ -20,7 +20,7 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,9 @@ class EngineServiceCore:
                     f"{self.role} engine queue is full ({waiting} waiting); retry later or elsewhere"
                 )
 
-    async def run(self, request: GenerateRequest, owner: str = "") -> AsyncIterator[RequestOutput]:
+    async def run(
+        self, request: GenerateRequest, owner: str = ""
+    ) -> AsyncGenerator[RequestOutput, None]:
         """``engine.submit`` with bookkeeping: tracked (with its ``owner``, the identity that
         may abort it) while running, aborted if left early."""
         request_id = request.request_id
