@@ -81,7 +81,11 @@ class EngineServiceCore:
         self, request: GenerateRequest, owner: str = ""
     ) -> AsyncGenerator[RequestOutput, None]:
         """``engine.submit`` with bookkeeping: tracked (with its ``owner``, the identity that
-        may abort it) while running, aborted if left early."""
+        may abort it) while running, aborted if left early.
+
+        Callers close it on every exit (``contextlib.aclosing``): a generator left suspended
+        by an error raised in the caller's loop keeps the request counted in flight, and
+        unaborted, until the cyclic GC runs, and a drain then waits its whole grace."""
         request_id = request.request_id
         self._inflight[request_id] = owner
         self._idle.clear()

@@ -81,9 +81,7 @@ class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):
         request_id, prompt, generated, params, remote_kv = self._prepare(request)
         start = time.monotonic()
         first = True
-        # Closed on every exit (an error raised below, the caller gone): a generator left
-        # suspended would keep the request counted in flight, and unaborted, until the
-        # cyclic GC ran (a drain then waited its whole grace for it).
+        # Closed on every exit, errors raised below included (EngineServiceCore.run says why).
         async with contextlib.aclosing(
             core.run(
                 GenerateRequest(

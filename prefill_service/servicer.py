@@ -65,8 +65,7 @@ class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):
             priority=request.priority,
             lora_name=request.lora_name or None,
         )
-        # Closed on every exit (see engine_service/decode_servicer.py Decode): an error raised
-        # below must not leave the request counted in flight until the cyclic GC runs.
+        # Closed on every exit, errors raised below included (EngineServiceCore.run says why).
         async with contextlib.aclosing(core.run(new, owner=peer_identity(context))) as outputs:
             async for out in outputs:
                 last = out

@@ -50,7 +50,7 @@ def run_interpreted(
 
 def interpreted_results(script: str) -> dict[str, Any]:
     """``run_interpreted`` for a module whose JSON is a ``{case: result}`` object; echoes
-    the first stderr line (the modules print their random seed there) so a failure names it."""
+    the first stderr line (the modules print their seed there) so a failure names it."""
     results, stderr = run_interpreted(script)
     print(stderr.strip().splitlines()[0])
     return dict(results)

@@ -1,7 +1,7 @@
 """Triton paged attention on the GPU against float64 attention and the torch_ref backend.
 
-Every case draws fresh random inputs (the seed is printed on failure). Skipped, with the
-reason, only where no CUDA GPU is present; the kernels' logic also runs on the CPU in
+Every case draws its inputs from the fixed test seed (tests/seeds.py; printed on
+failure). Skipped, with the reason, only where no CUDA GPU is present; the kernels' logic also runs on the CPU in
 tests/unit/test_triton_interpret.py.
 """
 
@@ -52,10 +52,6 @@ SHAPES = {
 }
 
 
-def _seed() -> int:
-    return fixed_seed()
-
-
 def _check(name: str, spec: tuple, dtype: torch.dtype, seed: int) -> None:
     from engine.attention.torch_ref import TorchRefAttention
     from engine.attention.triton_backend import TritonAttention
@@ -102,13 +98,13 @@ def _check(name: str, spec: tuple, dtype: torch.dtype, seed: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_shapes(name: str, dtype: torch.dtype) -> None:
-    _check(name, SHAPES[name], dtype, _seed())
+    _check(name, SHAPES[name], dtype, fixed_seed())
 
 
 @pytest.mark.parametrize("trial", range(24))
 def test_random_batches(trial: int) -> None:
     """Random mixes of decodes, fresh prefills and prefix hits over random model shapes."""
-    seed = _seed()
+    seed = fixed_seed()
     rng = random.Random(seed)
     group = rng.choice([1, 3, 4, 8])
     kv_heads = rng.choice([1, 2, 4, 8])
@@ -141,7 +137,7 @@ def test_forced_split_counts_agree() -> None:
     from engine.attention.triton_backend import LaunchConfig, paged_attention, write_kv_cache
     from engine.attention.triton_testing import make_case, reference_attention, relative_error
 
-    seed = _seed()
+    seed = fixed_seed()
     case = make_case(
         [1] * 5,
         [10, 100, 1000, 5000, 20000],
@@ -170,7 +166,7 @@ def test_decode_step_captures_in_a_cuda_graph() -> None:
     from engine.attention.triton_backend import TritonAttention
     from engine.attention.triton_testing import make_case, reference_attention, relative_error
 
-    seed = _seed()
+    seed = fixed_seed()
     backend = TritonAttention()
     lens = [300, 17, 2000, 64]
     case = make_case(

@@ -149,7 +149,7 @@ def run_rope_store_case(seed: int, device: str, dtype_name: str) -> dict[str, fl
 
 
 def main() -> None:
-    """Child process: every case on fresh random inputs; prints one JSON line."""
+    """Child process: every case on inputs from the fixed test seed; prints one JSON line."""
     import torch
 
     torch.set_num_threads(1)
