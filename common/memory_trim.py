@@ -6,7 +6,7 @@ thread that touched them), so a burst of refused 40 MiB messages left a decode 3
 larger for good. :class:`MemoryTrimmer` watches the process's resident size from a daemon
 thread and calls ``malloc_trim(0)`` when it grew by ``slack_bytes`` since the last look
 after a trim: a handful of cheap ``/proc`` reads a minute while nothing grows, one trim
-after a burst. Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
+after a burst (two when the first came while the burst was still being freed). Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
 
 Torch-free; imports nothing of ours.
 """
@@ -92,8 +92,14 @@ class MemoryTrimmer:
         self._trim(0)
         after = resident_bytes()
         self.trims += 1
-        logger.info("returned %d MiB of freed heap to the OS", max(0, rss - after) >> 20)
-        self._floor = after
+        freed = max(0, rss - after)
+        logger.info("returned %d MiB of freed heap to the OS", freed >> 20)
+        if freed < self.slack_bytes:
+            # What is left is in use: measure the next growth from here.
+            self._floor = after
+        # Else the trim caught a burst still being freed (a concurrent burst of refused
+        # messages straddles a look): keep the floor, so the next look trims what the rest
+        # of the burst frees instead of taking it as the new normal.
         return True
 
     def _run(self) -> None:

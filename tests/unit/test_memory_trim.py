@@ -25,6 +25,27 @@ def test_trims_once_the_process_grew_past_the_slack() -> None:
     assert not trimmer.check_once()  # the floor moved down with the freed memory
 
 
+def test_a_burst_freed_in_two_steps_is_trimmed_twice() -> None:
+    """A trim that returns memory while the rest of a burst is still held keeps its floor:
+    the rest, freed later, is trimmed at the next look (it stayed in the arenas when the
+    floor moved up to the half still held)."""
+    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=16 << 20)
+    if trimmer._trim is None:  # noqa: SLF001
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    trimmer._trim(0)  # noqa: SLF001
+    trimmer._floor = resident_bytes()  # noqa: SLF001
+    first, second = [], []
+    for _ in range(512):  # 64 KiB blocks come from the heap, interleaved
+        first.append(b"\x01" * (64 << 10))
+        second.append(b"\x02" * (64 << 10))
+    pin = b"\x03" * (64 << 10)  # above both halves: freeing them cannot shrink the heap's top
+    del first
+    assert trimmer.check_once()  # the first half's pages go back; the second is held
+    del second
+    assert trimmer.check_once() and trimmer.trims == 2
+    assert pin
+
+
 def test_interval_zero_is_off_and_negative_is_refused() -> None:
     assert not MemoryTrimmer(interval_s=0).active
     with pytest.raises(ValueError):
