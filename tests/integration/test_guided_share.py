@@ -6,6 +6,7 @@ ignored and compiled again; without the directory nothing is written."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from engine.core.guided_spec import GuidedSpec
@@ -19,10 +20,15 @@ def _guided_tokens(engine: LLMEngine) -> list[int]:
     params = SamplingParams(max_tokens=12, temperature=0.0, guided=GUIDE)
     engine.add_request("g", [1, 2, 3, 4], params)
     tokens: list[int] = []
-    for _ in range(100_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
+    # A deadline in seconds: while the compile helper starts and compiles, a step is a few
+    # microseconds, so a bound in steps is a race with the helper.
+    deadline = time.monotonic() + 120.0
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "the guided request did not finish in 120 s"
+        outputs = engine.step()
+        if not outputs:
+            time.sleep(0.001)
+        for out in outputs:
             assert not out.error, out.error
             tokens.extend(out.new_token_ids)
     return tokens
