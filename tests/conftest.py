@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.servers import ManagedServer, start_lmcache, start_redis
+
+
+def _threads_per_worker() -> int:
+    """Under pytest-xdist, each worker's share of the cores; 0 when not a worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    return max(1, (os.cpu_count() or 1) // workers) if workers else 0
+
+
+# Each xdist worker computes on its share of the cores, and so does every process it starts
+# (they inherit the variable): two workers each running torch's default of one thread per
+# core kept four OpenMP threads spinning on the 2-core machine, and the in-process engine
+# and transformers tests ran 3x slower than alone (docs/testing.md "Threads").
+if _threads_per_worker():
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
+    os.environ.setdefault("MKL_NUM_THREADS", str(_threads_per_worker()))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _threads_per_worker():
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 # Model fixtures (tiny random models, SmolLM2) live in their own module.
 pytest_plugins = ["tests.model_fixtures", "tests.service_fixtures", "tests.xdist_crash_guard"]

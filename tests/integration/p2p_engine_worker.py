@@ -9,7 +9,8 @@ Prefills ``PROMPT`` (greedy, one token) with ``save_kv``; prints ``{first, trans
 address, held}`` the moment the engine reports the held save, keeps stepping (the blocks
 stay allocated while the lease is held) and prints ``{released, free_blocks, total_blocks,
 p2p}`` once the engine has nothing left (the lease ended: pulled, expired or aborted). A
-line ``abort`` on stdin aborts the request on this side. Exits on ``quit`` or end of stdin.
+line ``abort`` on stdin aborts the request on this side. Exits on ``quit`` or end of stdin,
+at once, also while a lease is still held.
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def main() -> None:
     first = -1
     while engine.has_unfinished():
         while not commands.empty():
-            if commands.get() == "abort":
+            command = commands.get()
+            if command == "abort":
                 engine.abort_request("p")
+            elif command == "quit":  # a test that is done does not wait out a held lease
+                connector.close()
+                return
         for out in engine.step():
             first = out.new_token_ids[0] if out.new_token_ids else first
             if out.kv_saved is not None:

@@ -51,9 +51,11 @@ def parallel_stack(
     args = tuple(a.replace("{kv}", str(kv_dir)) for a in connector)
     stack = ProcessStack(root / "logs", model)
     try:
-        prefill = stack.service("prefill", connector_args=args, extra_args=parallel)
-        dec = stack.service("decode", connector_args=args, extra_args=parallel)
-        single = stack.service("decode", connector_args=args)
+        prefill, dec, single = stack.together(
+            lambda: stack.service("prefill", connector_args=args, extra_args=parallel),
+            lambda: stack.service("decode", connector_args=args, extra_args=parallel),
+            lambda: stack.service("decode", connector_args=args),
+        )
         yield Stack(prefill, dec, single, kv_dir)
     finally:
         stack.close()
