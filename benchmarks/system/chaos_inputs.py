@@ -35,11 +35,13 @@ INPUT_FAULTS = ("squat_decode", "grpc_flood", "body_flood", "abort_storm", "gram
 
 class StallWatch:
     """Streams one long completion after another through the phase; ``worst_s`` is the
-    longest gap between two chunks of one stream (the stall an unrelated client saw)."""
+    longest gap between two chunks of one stream (the stall an unrelated client saw), and
+    ``first_token_s`` each stream's time from its request to its first chunk."""
 
     def __init__(self, base: str, model: str) -> None:
         self.base, self.model = base, model
         self.worst_s = 0.0
+        self.first_token_s: list[float] = []
         self.streams = 0
         self.failed = 0
         self._task: asyncio.Task[None] | None = None
@@ -52,8 +54,11 @@ class StallWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        firsts = sorted(self.first_token_s)
         return {"worst_stall_s": round(self.worst_s, 3), "streams": self.streams,
-                "failed": self.failed}  # fmt: skip
+                "failed": self.failed,
+                "first_token_p50_s": round(firsts[len(firsts) // 2], 3) if firsts else None,
+                "first_token_worst_s": round(firsts[-1], 3) if firsts else None}  # fmt: skip
 
     async def _run(self) -> None:
         body = {"model": self.model, "prompt": "A long walk along the shore", "max_tokens": 64,
@@ -61,11 +66,15 @@ class StallWatch:
         async with httpx.AsyncClient(timeout=120) as client:
             while True:
                 try:
+                    sent = time.monotonic()
                     async with client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
-                        last = time.monotonic()
+                        last = None
                         async for _ in r.aiter_lines():
                             now = time.monotonic()
-                            self.worst_s = max(self.worst_s, now - last)
+                            if last is None:
+                                self.first_token_s.append(now - sent)
+                            else:
+                                self.worst_s = max(self.worst_s, now - last)
                             last = now
                     self.streams += 1
                 except httpx.HTTPError:

@@ -80,12 +80,14 @@ def markdown_table(phases: list[dict[str, Any]]) -> str:
     head = (
         "| fault | sent | identical | wrong | failed, clear error (by error) | hung "
         "| cancelled | p50 s | p99 s | recovered s | first ok s | router counters (delta) "
-        "| service counters (delta) | unrelated stream: worst stall s | injected |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| service counters (delta) | unrelated stream: worst stall s "
+        "| unrelated stream: first token p50 / worst s | injected |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for p in phases:
         s = p["summary"]
+        watch = p.get("unrelated_stream") or {}
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "–"
         extra = f" ({p['poisoned']} poisoned" if p.get("poisoned") is not None else ""
         if p.get("special_files_left") is not None:
@@ -97,7 +99,8 @@ def markdown_table(phases: list[dict[str, Any]]) -> str:
             f"| {_fmt(s['p50_s'])} | {_fmt(s['p99_s'])} | {_fmt(p['recovered_s'])} "
             f"| {_fmt(p.get('first_ok_s'))} | {_moved(p['router_counters'])} "
             f"| {_moved(p.get('service_counters', {}))} "
-            f"| {_fmt((p.get('unrelated_stream') or {}).get('worst_stall_s'))} "
+            f"| {_fmt(watch.get('worst_stall_s'))} "
+            f"| {_fmt(watch.get('first_token_p50_s'))} / {_fmt(watch.get('first_token_worst_s'))} "
             f"| {_injected(p.get('injected'))} |"
         )
     return head + "\n".join(rows) + "\n"
