@@ -42,6 +42,9 @@ class StallWatch:
         self.base, self.model = base, model
         self.worst_s = 0.0
         self.first_token_s: list[float] = []
+        # The slowest first token's client-side seconds and the router's phase timings of
+        # that request (``pdserve_timings``): where the wait was spent.
+        self.slowest_first: dict[str, Any] = {}
         self.streams = 0
         self.failed = 0
         self._task: asyncio.Task[None] | None = None
@@ -58,28 +61,40 @@ class StallWatch:
         return {"worst_stall_s": round(self.worst_s, 3), "streams": self.streams,
                 "failed": self.failed,
                 "first_token_p50_s": round(firsts[len(firsts) // 2], 3) if firsts else None,
-                "first_token_worst_s": round(firsts[-1], 3) if firsts else None}  # fmt: skip
+                "first_token_worst_s": round(firsts[-1], 3) if firsts else None,
+                "slowest_first_token": self.slowest_first or None}  # fmt: skip
 
     async def _run(self) -> None:
         body = {"model": self.model, "prompt": "A long walk along the shore", "max_tokens": 64,
-                "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+                "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}, "pdserve_timings": True}  # fmt: skip
         async with httpx.AsyncClient(timeout=120) as client:
             while True:
                 try:
                     sent = time.monotonic()
+                    first = None
                     async with client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
                         last = None
-                        async for _ in r.aiter_lines():
+                        async for line in r.aiter_lines():
                             now = time.monotonic()
                             if last is None:
-                                self.first_token_s.append(now - sent)
+                                first = now - sent
+                                self.first_token_s.append(first)
                             else:
                                 self.worst_s = max(self.worst_s, now - last)
                             last = now
+                            if first is not None and '"pdserve_timings"' in line:
+                                self._note_first(first, line)
                     self.streams += 1
                 except httpx.HTTPError:
                     self.failed += 1
                     await asyncio.sleep(0.2)
+
+    def _note_first(self, first_s: float, usage_line: str) -> None:
+        if first_s < self.slowest_first.get("client_s", -1.0):
+            return
+        usage = json.loads(usage_line.removeprefix("data: ")).get("usage") or {}
+        self.slowest_first = {"client_s": round(first_s, 3), "router": usage.get("pdserve_timings")}
 
 
 def rss_mib(pid: int) -> float | None:

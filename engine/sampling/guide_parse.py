@@ -23,6 +23,23 @@ def parser_message(exc: BaseException) -> str:
     return _XGR_NOISE.sub("", str(exc)).strip() or type(exc).__name__
 
 
+# xgrammar (0.2.9) writes a JSON string with a length bound (minLength/maxLength) as
+# characters of this class, which leaves the control characters U+0000-U+001F other than
+# CR/LF allowed raw; JSON forbids them unescaped (a sampled ESC inside a "maxLength" string
+# made the output unparseable). Such classes are narrowed to JSON's own string characters.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _json_grammar(xgr: Any, schema: str, **options: Any) -> Any:
+    """``Grammar.from_json_schema`` whose strings never hold a raw control character."""
+    grammar = xgr.Grammar.from_json_schema(schema, **options)
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 def parse_guide(spec: GuidedSpec) -> Any:
     """The xgrammar ``Grammar`` of a guide; ValueError carrying the parser's message."""
     import xgrammar as xgr
@@ -30,12 +47,10 @@ def parse_guide(spec: GuidedSpec) -> Any:
     try:
         if spec.kind == "json_object":
             # Any JSON object; additional properties allowed (strict mode would allow only {}).
-            return xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
-            )
+            return _json_grammar(xgr, '{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "json_schema":
             # Compact whitespace: free whitespace lets small models loop on spaces forever.
-            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
+            return _json_grammar(xgr, spec.value, any_whitespace=False)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":

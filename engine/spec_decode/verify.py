@@ -23,7 +23,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import Sampler, exponential_noise
 
 # emit(token, logprob) appends a token to the request; True = the request stops there.
 Emit = Callable[[int, TokenLogprob | None], bool]
@@ -43,7 +43,7 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 
 def draw_from(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token from (unnormalised, non-negative) ``probs`` by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=gen)
+    noise = exponential_noise(probs, gen)
     return int((probs / noise).argmax())
 
 

@@ -76,3 +76,26 @@ def test_parser_message_strips_location() -> None:
     )
     assert parser_message(raw) == "boom"
     assert json.dumps(parser_message(RuntimeError("plain"))) == '"plain"'
+
+
+@pytest.mark.parametrize("bound", [{"maxLength": 4}, {"minLength": 1}, {}])
+def test_json_strings_never_take_a_raw_control_character(bound: dict[str, int]) -> None:
+    """JSON forbids U+0000-U+001F unescaped in a string. xgrammar's rule for a string with a
+    length bound allowed them (a sampled ESC made the output unparseable); parse_guide
+    narrows it. Checked with a matcher over a byte vocabulary: inside the string, "a" is
+    taken and ESC, TAB and NUL are not."""
+    import xgrammar as xgr
+
+    vocab = ['{"n": "', "a", "\x1b", "\t", "\x00", '"}']
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW)
+    schema = {"type": "object", "properties": {"n": {"type": "string", **bound}}, "required": ["n"]}
+    compiled = xgr.GrammarCompiler(info).compile_grammar(
+        parse_guide(GuidedSpec.json_schema(schema))
+    )
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_token(0)
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    allowed = {vocab[t] for t in range(len(vocab)) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+    assert "a" in allowed
+    assert not allowed & {"\x1b", "\t", "\x00"}, allowed
