@@ -4,9 +4,13 @@ gRPC refuses an oversized message on its length prefix, but the HTTP/2 frames al
 flight are read into heap buffers first; freed, they stay in glibc's arenas (one per
 thread that touched them), so a burst of refused 40 MiB messages left a decode 300 MiB
 larger for good. :class:`MemoryTrimmer` watches the process's resident size from a daemon
-thread and calls ``malloc_trim(0)`` when it grew by ``slack_bytes`` since the last look
-after a trim: a handful of cheap ``/proc`` reads a minute while nothing grows, one trim
-after a burst (two when the first came while the burst was still being freed). Where the C library has no ``malloc_trim`` (not glibc) it does nothing.
+thread and calls ``malloc_trim(0)`` when it is ``slack_bytes`` above its floor (the
+smallest size seen): a handful of cheap ``/proc`` reads a minute while nothing grows, one
+trim after a burst. A trim that finds the memory still in use (a burst still being read)
+keeps the floor and tries again after 1, 2, 4, ... looks, so the burst is returned once
+it is freed; after ``REBASE_AFTER`` such trims in a row the growth is taken as the
+process's new size and the floor moves up to it. Where the C library has no
+``malloc_trim`` (not glibc) it does nothing.
 
 Torch-free; imports nothing of ours.
 """
@@ -49,6 +53,11 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
     return trim  # type: ignore[no-any-return]
 
 
+# Unproductive trims in a row before growth counts as the new normal (they come 2, 4, 8 and
+# 16 looks apart: about a minute at the services' 2 s interval).
+REBASE_AFTER = 5
+
+
 class MemoryTrimmer:
     """A daemon thread: every ``interval_s``, trim the heap if RSS grew by ``slack_bytes``."""
 
@@ -60,6 +69,8 @@ class MemoryTrimmer:
         self.trims = 0  # how many times it trimmed (the tests read it)
         self._trim = _load_malloc_trim()
         self._floor = 0
+        self._unproductive = 0  # trims in a row that returned less than the slack
+        self._skip = 0  # looks to let pass before the next trim
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,7 +91,8 @@ class MemoryTrimmer:
             self._thread.join(timeout=5.0)
 
     def check_once(self) -> bool:
-        """Trim if the process grew past the slack; True when it trimmed."""
+        """One look: trim if the process is past the slack above its floor (unless backing
+        off after an unproductive trim); True when it trimmed."""
         if self._trim is None:
             return False
         rss = resident_bytes()
@@ -88,18 +100,27 @@ class MemoryTrimmer:
             # Memory freed by other means lowers the floor, so the next growth is measured
             # from where the process really is.
             self._floor = min(self._floor, rss)
+            self._unproductive = self._skip = 0
+            return False
+        if self._skip > 0:
+            self._skip -= 1
             return False
         self._trim(0)
         after = resident_bytes()
         self.trims += 1
         freed = max(0, rss - after)
         logger.info("returned %d MiB of freed heap to the OS", freed >> 20)
-        if freed < self.slack_bytes:
-            # What is left is in use: measure the next growth from here.
+        if freed >= self.slack_bytes:
+            self._unproductive = self._skip = 0
+            return True
+        # What is left is in use. Not yet the new normal: a burst straddling this look is
+        # freed later (kept in glibc's arenas unless trimmed), so look again, less often.
+        self._unproductive += 1
+        if self._unproductive >= REBASE_AFTER:
             self._floor = after
-        # Else the trim caught a burst still being freed (a concurrent burst of refused
-        # messages straddles a look): keep the floor, so the next look trims what the rest
-        # of the burst frees instead of taking it as the new normal.
+            self._unproductive = self._skip = 0
+        else:
+            self._skip = (1 << self._unproductive) - 1
         return True
 
     def _run(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.memory_trim import MemoryTrimmer, resident_bytes
+from common.memory_trim import REBASE_AFTER, MemoryTrimmer, resident_bytes
 
 
 def test_trims_once_the_process_grew_past_the_slack() -> None:
@@ -44,6 +44,46 @@ def test_a_burst_freed_in_two_steps_is_trimmed_twice() -> None:
     del second
     assert trimmer.check_once() and trimmer.trims == 2
     assert pin
+
+
+def _trimmed(slack: int) -> MemoryTrimmer:
+    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=slack)
+    if trimmer._trim is None:  # noqa: SLF001
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    trimmer._trim(0)  # noqa: SLF001
+    trimmer._floor = resident_bytes()  # noqa: SLF001
+    return trimmer
+
+
+def test_a_burst_still_held_at_the_trim_is_returned_once_freed() -> None:
+    """A trim that finds the burst still in use keeps the floor and tries again a look
+    later: the burst, freed in between, goes back (it stayed in the arenas, 114 MiB, when
+    the floor moved up to the burst: test_services_grpc_limits on CI's clean clone)."""
+    trimmer = _trimmed(16 << 20)
+    held = [b"\x01" * (64 << 10) for _ in range(1024)]  # 64 MiB of heap blocks
+    pin = b"\x03" * (64 << 10)  # above them: freeing them cannot shrink the heap's top
+    assert trimmer.check_once()  # trims, returns nothing: all of it is in use
+    assert not trimmer.check_once()  # backs off one look
+    held.clear()
+    assert trimmer.check_once() and trimmer.trims == 2  # now it goes back
+    assert not trimmer.check_once()  # within the slack of the floor again
+    assert pin
+
+
+def test_growth_that_stays_becomes_the_floor() -> None:
+    """Memory in use for good is trimmed REBASE_AFTER times, less and less often, then
+    taken as the process's size: no trim after that."""
+    trimmer = _trimmed(16 << 20)
+    floor = trimmer._floor  # noqa: SLF001
+    kept = [b"\x01" * (64 << 10) for _ in range(1024)]
+    looks = 0
+    while trimmer._floor == floor:  # noqa: SLF001
+        trimmer.check_once()
+        looks += 1
+        assert looks < 100, "the floor never moved"
+    assert trimmer.trims == REBASE_AFTER and looks == 1 + 2 + 4 + 8 + 16
+    assert not trimmer.check_once() and trimmer.trims == REBASE_AFTER
+    assert kept
 
 
 def test_interval_zero_is_off_and_negative_is_refused() -> None:
