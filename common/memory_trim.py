@@ -7,7 +7,7 @@ larger for good. :class:`MemoryTrimmer` watches the process's resident size from
 thread and calls ``malloc_trim(0)`` when it is ``slack_bytes`` above its floor (the
 smallest size seen): a handful of cheap ``/proc`` reads a minute while nothing grows, one
 trim after a burst. A trim that finds the memory still in use (a burst still being read)
-keeps the floor and tries again after 1, 2, 4, ... looks, so the burst is returned once
+keeps the floor and tries again 2, 4, 8 and 16 looks later, so the burst is returned once
 it is freed; after ``REBASE_AFTER`` such trims in a row the growth is taken as the
 process's new size and the floor moves up to it. Where the C library has no
 ``malloc_trim`` (not glibc) it does nothing.
@@ -59,7 +59,8 @@ REBASE_AFTER = 5
 
 
 class MemoryTrimmer:
-    """A daemon thread: every ``interval_s``, trim the heap if RSS grew by ``slack_bytes``."""
+    """A daemon thread: every ``interval_s``, trim the heap if RSS is ``slack_bytes`` above
+    its floor."""
 
     def __init__(self, interval_s: float, slack_bytes: int = 64 << 20) -> None:
         if interval_s < 0:

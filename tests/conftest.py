@@ -16,17 +16,18 @@ def _threads_per_worker() -> int:
     return max(1, (os.cpu_count() or 1) // workers) if workers else 0
 
 
+WORKER_THREADS = _threads_per_worker()
 # Each xdist worker computes on its share of the cores, and so does every process it starts
 # (they inherit the variable): two workers each running torch's default of one thread per
 # core kept four OpenMP threads spinning on the 2-core machine, and the in-process engine
 # and transformers tests ran 3x slower than alone (docs/testing.md "Threads").
-if _threads_per_worker():
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
-    os.environ.setdefault("MKL_NUM_THREADS", str(_threads_per_worker()))
+if WORKER_THREADS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+    os.environ.setdefault("MKL_NUM_THREADS", str(WORKER_THREADS))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _threads_per_worker():
+    if WORKER_THREADS:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

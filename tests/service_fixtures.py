@@ -101,11 +101,20 @@ class ServiceProcess:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit status."""
+        self.terminate()
+        return self.reap(timeout)
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM), without waiting."""
         if self.proc.poll() is None:
             self.signal(signal.SIGCONT)  # a paused child would hold SIGTERM until the kill
             self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
+
+    def reap(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` for it to exit, then SIGKILL the group (anything it
+        started goes too); returns the exit status."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, timeout))
         self.signal(signal.SIGKILL)
         return self.proc.wait(timeout=10)
 
@@ -321,15 +330,10 @@ class ProcessStack:
         waiting, and one after the other cost seconds per test teardown)."""
         children, self.children = self.children, []
         for child in children:
-            if child.proc.poll() is None:
-                child.signal(signal.SIGCONT)  # a test may have paused it
-                child.signal(signal.SIGTERM)
+            child.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            child.signal(signal.SIGKILL)  # the group: anything it started goes too
-            child.proc.wait(timeout=10)
+            child.reap(deadline - time.monotonic())
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Triton paged attention on the GPU against float64 attention and the torch_ref backend.
 
 Every case draws its inputs from the fixed test seed (tests/seeds.py; printed on
-failure). Skipped, with the reason, only where no CUDA GPU is present; the kernels' logic also runs on the CPU in
-tests/unit/test_triton_interpret.py.
+failure). Skipped, with the reason, only where no CUDA GPU is present; the kernels' logic
+also runs on the CPU in tests/unit/test_triton_interpret.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ SmolLM2's vocabulary (about 2.5 s on the 2-core machine). Here, with real helper
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -22,6 +21,7 @@ from engine.core.guided_spec import GuidedSpec
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.sampling.guided import GUIDE_REFUSED
+from tests.engine_steps import outputs_until_done
 
 RUN_DEADLINE_S = 180.0
 # The bomb compiles in about 2.5 s here (measured); 3 s once let it through on this machine.
@@ -54,20 +54,14 @@ def _run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str], bool]
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     plain_done_during_compile = False
-    # A deadline in seconds, not steps: while only the compile is pending a step is a few
-    # microseconds, and a bound of 100,000 steps once ran out before the 3 s budget did.
-    deadline = time.monotonic() + RUN_DEADLINE_S
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, f"requests unfinished after {RUN_DEADLINE_S} s"
-        outputs = engine.step()
-        if not outputs:
-            time.sleep(0.001)
-        for out in outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.error:
-                errors[out.request_id] = out.error
-            if out.request_id == "plain" and out.finished:
-                plain_done_during_compile = engine.guided.has_pending()
+    # A deadline in seconds (tests/engine_steps.py): while only the compile is pending a
+    # step is a few microseconds, and a bound of 100,000 steps once ran out before 3 s did.
+    for out in outputs_until_done(engine, RUN_DEADLINE_S):
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.error:
+            errors[out.request_id] = out.error
+        if out.request_id == "plain" and out.finished:
+            plain_done_during_compile = engine.guided.has_pending()
     return tokens, errors, plain_done_during_compile
 
 

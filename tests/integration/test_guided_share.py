@@ -6,12 +6,12 @@ ignored and compiled again; without the directory nothing is written."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from engine.core.guided_spec import GuidedSpec
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from tests.engine_steps import outputs_until_done
 
 GUIDE = GuidedSpec.choice([f"option {i} of the shared list" for i in range(200)])
 
@@ -20,17 +20,11 @@ def _guided_tokens(engine: LLMEngine) -> list[int]:
     params = SamplingParams(max_tokens=12, temperature=0.0, guided=GUIDE)
     engine.add_request("g", [1, 2, 3, 4], params)
     tokens: list[int] = []
-    # A deadline in seconds: while the compile helper starts and compiles, a step is a few
-    # microseconds, so a bound in steps is a race with the helper.
-    deadline = time.monotonic() + 120.0
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "the guided request did not finish in 120 s"
-        outputs = engine.step()
-        if not outputs:
-            time.sleep(0.001)
-        for out in outputs:
-            assert not out.error, out.error
-            tokens.extend(out.new_token_ids)
+    # A deadline in seconds (tests/engine_steps.py): the compile helper's start and compile
+    # make steps that return nothing.
+    for out in outputs_until_done(engine, 120.0):
+        assert not out.error, out.error
+        tokens.extend(out.new_token_ids)
     return tokens
 
 

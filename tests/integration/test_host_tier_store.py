@@ -6,7 +6,6 @@ the greedy text equals a colocated engine's every time."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from engine.core.request import RemoteKV
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from kv_store.factory import KVStoreSettings, build_connector
+from tests.engine_steps import outputs_until_done
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -25,23 +25,15 @@ DRIVE_DEADLINE_S = 60.0
 
 
 def _drive(engine: LLMEngine, rid: str) -> tuple[list[int], str | None]:
-    """Step ``engine`` until it has nothing left, within a deadline in seconds: a step can
-    return nothing while a KV save or load is still in flight, so a bound in steps is a bound
-    in how fast the machine happens to be (it failed under a loaded full run)."""
+    """Step ``engine`` until it has nothing left (tests/engine_steps.py: a deadline in
+    seconds, as a KV save or load in flight makes steps that return nothing)."""
     tokens: list[int] = []
     error = None
-    deadline = time.monotonic() + DRIVE_DEADLINE_S
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished():
-            return tokens, error
-        outputs = engine.step()
-        for out in outputs:
-            if out.request_id == rid:
-                tokens += out.new_token_ids
-                error = error or out.error
-        if not outputs:
-            time.sleep(0.001)  # waiting on a transfer: yield the core to it
-    raise AssertionError(f"{rid} did not finish within {DRIVE_DEADLINE_S} s")
+    for out in outputs_until_done(engine, DRIVE_DEADLINE_S):
+        if out.request_id == rid:
+            tokens += out.new_token_ids
+            error = error or out.error
+    return tokens, error
 
 
 @pytest.fixture(scope="module")

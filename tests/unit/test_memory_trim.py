@@ -8,14 +8,21 @@ import pytest
 from common.memory_trim import REBASE_AFTER, MemoryTrimmer, resident_bytes
 
 
-def test_trims_once_the_process_grew_past_the_slack() -> None:
-    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=16 << 20)
+def _trimmed(slack: int) -> MemoryTrimmer:
+    """A trimmer whose floor is a freshly trimmed heap: free pages an earlier test left
+    resident would otherwise take the allocations below without growing the process.
+    Skipped where the C library has no ``malloc_trim`` (not glibc): nothing to test there,
+    and the trimmer is then off (``active`` is False)."""
+    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=slack)
     if trimmer._trim is None:  # noqa: SLF001
         pytest.skip("this C library has no malloc_trim (not glibc)")
-    # Start from a trimmed heap: free pages an earlier test left resident would otherwise
-    # take the allocation below without growing the process.
     trimmer._trim(0)  # noqa: SLF001
     trimmer._floor = resident_bytes()  # noqa: SLF001
+    return trimmer
+
+
+def test_trims_once_the_process_grew_past_the_slack() -> None:
+    trimmer = _trimmed(16 << 20)
     assert not trimmer.check_once()  # no growth: no trim
     # 64 MiB written (a zeroed allocation may be fresh, untouched pages that RSS does not
     # count yet; in a worker that freed big blocks before it came from the heap instead)
@@ -29,11 +36,7 @@ def test_a_burst_freed_in_two_steps_is_trimmed_twice() -> None:
     """A trim that returns memory while the rest of a burst is still held keeps its floor:
     the rest, freed later, is trimmed at the next look (it stayed in the arenas when the
     floor moved up to the half still held)."""
-    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=16 << 20)
-    if trimmer._trim is None:  # noqa: SLF001
-        pytest.skip("this C library has no malloc_trim (not glibc)")
-    trimmer._trim(0)  # noqa: SLF001
-    trimmer._floor = resident_bytes()  # noqa: SLF001
+    trimmer = _trimmed(16 << 20)
     first, second = [], []
     for _ in range(512):  # 64 KiB blocks come from the heap, interleaved
         first.append(b"\x01" * (64 << 10))
@@ -44,15 +47,6 @@ def test_a_burst_freed_in_two_steps_is_trimmed_twice() -> None:
     del second
     assert trimmer.check_once() and trimmer.trims == 2
     assert pin
-
-
-def _trimmed(slack: int) -> MemoryTrimmer:
-    trimmer = MemoryTrimmer(interval_s=0, slack_bytes=slack)
-    if trimmer._trim is None:  # noqa: SLF001
-        pytest.skip("this C library has no malloc_trim (not glibc)")
-    trimmer._trim(0)  # noqa: SLF001
-    trimmer._floor = resident_bytes()  # noqa: SLF001
-    return trimmer
 
 
 def test_a_burst_still_held_at_the_trim_is_returned_once_freed() -> None:

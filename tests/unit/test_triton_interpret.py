@@ -100,7 +100,8 @@ def _run_case(
 
 
 def main() -> None:
-    """Child process: run every case on inputs from the fixed test seed, print {id: result} as JSON."""
+    """Child process: run every case on inputs from the fixed test seed, print
+    {id: result} as JSON."""
     import torch
 
     torch.set_num_threads(1)
