@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.errors import bad_request
 from router.guided import NO_GUIDE, guide_of
@@ -177,6 +177,21 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Without this an image or audio part fails every branch of the union and the
+        # client reads "content.str: Input should be a valid string": name the part instead.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content part of type {kind!r} is not supported: the served models "
+                        "are text-only, send parts of type 'text'"
+                    )
+        return content
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (router/tool_template.py)."""

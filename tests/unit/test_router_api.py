@@ -208,6 +208,14 @@ def test_malformed_json_is_400(client: TestClient) -> None:
     assert "not valid JSON" in err["message"]
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "x"}}, "text"])
+def test_non_text_content_part_is_named(client: TestClient, part: object) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    err = assert_error(client.post(CHAT, json={"model": MODEL, "messages": messages}), 400)
+    assert "content part of type" in err["message"], err
+    assert "text-only" in err["message"], err
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     err = assert_error(client.post(COMP, json={"model": "gpt-9", "prompt": "x"}), 404, "model")
     assert err["code"] == "model_not_found"
