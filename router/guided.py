@@ -5,8 +5,9 @@ grammar actually parses is checked by the engine behind the prefill leg, whose
 INVALID_ARGUMENT comes back to the client as a 400 with the parser's message.
 
 Accepted (at most one per request): vLLM's ``guided_regex``, ``guided_choice``,
-``guided_grammar``, ``guided_json`` extensions, and OpenAI's ``response_format``
-(``text`` = no guide, ``json_object``, ``json_schema`` with a ``schema``).
+``guided_grammar``, ``guided_json`` extensions, their newer form ``structured_outputs``
+(one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``), and OpenAI's
+``response_format`` (``text`` = no guide, ``json_object``, ``json_schema`` with a ``schema``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ class GuidedFields(Protocol):
     guided_grammar: str | None
     guided_json: dict[str, Any] | str | None
     response_format: dict[str, Any] | None
+    structured_outputs: dict[str, Any] | None
+
+
+# vLLM's ``structured_outputs`` keys this server honours; its other keys tune a backend's
+# grammar (whitespace, fallbacks) and would change the output silently if ignored.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def guide_of(req: GuidedFields) -> tuple[str, str]:
@@ -45,10 +52,11 @@ def guide_of(req: GuidedFields) -> tuple[str, str]:
     fmt = _response_format_guide(req.response_format)
     if fmt != NO_GUIDE:
         guides.append(fmt)
+    guides += _structured_guides(req.structured_outputs)
     if len(guides) > 1:
         raise ValueError(
-            "give at most one of guided_regex, guided_choice, guided_grammar, guided_json "
-            "and a non-text response_format"
+            "give at most one of guided_regex, guided_choice, guided_grammar, guided_json, "
+            "a structured_outputs kind and a non-text response_format"
         )
     return guides[0] if guides else NO_GUIDE
 
@@ -69,6 +77,41 @@ def _response_format_guide(fmt: dict[str, Any] | None) -> tuple[str, str]:
             )
         return ("json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema"))
     raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _structured_guides(spec: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The guides of vLLM's ``structured_outputs`` object (several: refused by the caller)."""
+    if spec is None:
+        return []
+    unknown = sorted(k for k, v in spec.items() if k not in STRUCTURED_KINDS and v not in (None, False))  # fmt: skip
+    if unknown:
+        raise ValueError(
+            f"structured_outputs.{unknown[0]} is not supported; give one of "
+            + ", ".join(STRUCTURED_KINDS)
+        )
+    guides: list[tuple[str, str]] = []
+    if spec.get("json") is not None:
+        guides.append(("json_schema", _schema_text(spec["json"], "structured_outputs.json")))
+    if spec.get("regex") is not None:
+        guides.append(("regex", _non_empty(_text(spec["regex"], "regex"), "structured_outputs.regex")))  # fmt: skip
+    if spec.get("choice") is not None:
+        choice = spec["choice"]
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):  # fmt: skip
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")  # fmt: skip
+        guides.append(("choice", json.dumps(choice)))
+    if spec.get("grammar") is not None:
+        guides.append(("grammar", _non_empty(_text(spec["grammar"], "grammar"), "structured_outputs.grammar")))  # fmt: skip
+    if spec.get("json_object") is True:
+        guides.append(("json_object", ""))
+    if not guides:
+        raise ValueError("structured_outputs needs one of " + ", ".join(STRUCTURED_KINDS))
+    return guides
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"structured_outputs.{key} must be a string")
+    return value
 
 
 def _schema_text(schema: Any, name: str) -> str:

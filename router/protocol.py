@@ -108,10 +108,20 @@ class _CommonRequest(TextCheckedRequest):
     guided_grammar: str | None = None
     guided_json: dict[str, Any] | str | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM extensions this server cannot honour: refused rather than ignored (docs/router.md
     # "Refused fields" gives the reasons).
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # OpenAI's schema makes these fields nullable and some clients send every field,
+        # null included (`"n": null`, `"stream": null`): null means "use the default".
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:

@@ -123,6 +123,34 @@ def test_chat_json_schema_response_format(stack: Stack) -> None:
     assert set(value) == {"ok"} and isinstance(value["ok"], bool)
 
 
+def test_structured_outputs_is_vllms_newer_form(stack: Stack) -> None:
+    """vLLM's ``structured_outputs`` object guides as the ``guided_*`` fields do."""
+    client = stack.client()
+    choices = ["red", "green", "blue sky"]
+    out = complete(client, extra_body={"structured_outputs": {"choice": choices}})
+    assert out.choices[0].text in choices
+    out = complete(client, extra_body={"structured_outputs": {"regex": "[a-c]{4}"}})
+    assert re.fullmatch(r"[a-c]{4}", out.choices[0].text), out.choices[0].text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    out = complete(client, max_tokens=24, extra_body={"structured_outputs": {"json": schema}})
+    assert set(json.loads(out.choices[0].text)) == {"ok"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"structural_tag": "{}"}, "structured_outputs.structural_tag is not supported"),
+        ({}, "structured_outputs needs one of"),
+        ({"choice": []}, "non-empty list"),
+        ({"regex": "[0-9]", "choice": ["a"]}, "at most one"),
+    ],
+)
+def test_bad_structured_outputs_is_400(stack: Stack, spec: dict[str, object], match: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=match):
+        complete(stack.client(), extra_body={"structured_outputs": spec})
+
+
 def test_invalid_regex_is_400_with_parser_message(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         complete(stack.client(), extra_body={"guided_regex": "(ab"})

@@ -216,6 +216,22 @@ def test_non_text_content_part_is_named(client: TestClient, part: object) -> Non
     assert "text-only" in err["message"], err
 
 
+def test_null_fields_mean_the_default(client: TestClient) -> None:
+    """OpenAI's schema makes these nullable; a client that sends every field sends nulls.
+    With no instances the valid body gets 503, an invalid one would be 400."""
+    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "logprobs": None,
+             "temperature": None, "stop": None, "seed": None, "max_tokens": None}  # fmt: skip
+    resp = client.post(COMP, json={"model": MODEL, "prompt": "x"} | nulls)
+    assert resp.status_code == 503, resp.text
+    chat = {"n": None, "logprobs": None, "stream": None, "tools": None, "tool_choice": None,
+            "response_format": None, "max_completion_tokens": None}  # fmt: skip
+    messages = [{"role": "user", "content": "x"}]
+    resp = client.post(CHAT, json={"model": MODEL, "messages": messages} | chat)
+    assert resp.status_code == 503, resp.text
+    err = assert_error(client.post(COMP, json={"model": None, "prompt": "x"}), 400, "model")
+    assert "required" in err["message"].lower(), err
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     err = assert_error(client.post(COMP, json={"model": "gpt-9", "prompt": "x"}), 404, "model")
     assert err["code"] == "model_not_found"
