@@ -48,6 +48,20 @@ def running_requests(address: str, role: str) -> int:
     return int(info.waiting + info.running)
 
 
+# How many times a test streams again when its mid-stream fault could not land (below).
+FAULT_ATTEMPTS = 4
+
+
+def busy_decode(decodes: list[ServiceProcess]) -> ServiceProcess | None:
+    """The decode instance running the test's one stream, or None when none is: on a loaded
+    machine the client can read its first chunks after the decode has generated the whole
+    stream into the router's buffers (a CI run failed on asserting one was busy). A test
+    that faults the busy decode mid-stream streams again, up to ``FAULT_ATTEMPTS`` times."""
+    busy = [d for d in decodes if running_requests(d.address, "decode") > 0]
+    assert len(busy) <= 1, "at most one decode instance should hold the stream"
+    return busy[0] if busy else None
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``predicate`` until true; AssertionError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout

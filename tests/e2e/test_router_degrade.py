@@ -19,13 +19,12 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.router_support import metric, running_requests, wait_for
+from tests.e2e.router_support import FAULT_ATTEMPTS, busy_decode, metric, wait_for
 from tests.service_fixtures import ProcessStack, ServiceProcess
 
 PROMPT = "On the far side of the mountain, the travellers found"
 FALLBACK = "pdserve_router_pool_fallback_total"
 PAUSED_TOKENS = 480
-PAUSE_ATTEMPTS = 4
 
 
 @dataclass
@@ -102,10 +101,8 @@ def _stream(
 
 
 def test_paused_only_decode_stream_continues_on_prefill(degrade: Degrade) -> None:
-    # Long enough that the decode is usually still generating when the pause lands. On a
-    # loaded machine the client can still read its fifth chunk after the decode finished
-    # (the stream then completes from the router's buffers and nothing falls back: a CI run
-    # failed that way twice), so such an attempt is checked for its output and tried again.
+    # Long enough that the decode is usually still generating when the pause lands; an
+    # attempt where it was not is checked for its output and tried again (busy_decode).
     client = degrade.client()
     expected = _stream(client, max_tokens=PAUSED_TOKENS)
     assert len(expected) == PAUSED_TOKENS
@@ -113,16 +110,16 @@ def test_paused_only_decode_stream_continues_on_prefill(degrade: Degrade) -> Non
     paused: list[bool] = []
 
     def pause(n: int) -> None:
-        if n == 5 and running_requests(degrade.decode.address, "decode") == 1:
+        if n == 5 and not paused and busy_decode([degrade.decode]) is not None:
             degrade.decode.signal(signal.SIGSTOP)
             paused.append(True)
 
     try:
-        for _attempt in range(PAUSE_ATTEMPTS):
+        for _attempt in range(FAULT_ATTEMPTS):
             assert _stream(client, pause, max_tokens=PAUSED_TOKENS) == expected
             if paused:
                 break
-        assert paused, f"the decode finished before the 5th chunk in {PAUSE_ATTEMPTS} tries"
+        assert paused, f"the decode finished before the 5th chunk in {FAULT_ATTEMPTS} tries"
         resumed = metric(degrade.metrics, FALLBACK, reason="no_decode")
         assert resumed >= before + 1, "the paused stream did not continue on the prefill"
         # While it is still paused, a new request is served whole by the prefill instance.

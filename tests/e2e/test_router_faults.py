@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.router_support import metric, running_requests, wait_for
+from tests.e2e.router_support import FAULT_ATTEMPTS, busy_decode, metric, wait_for
 from tests.service_fixtures import ProcessStack, ServiceProcess
 
 PROMPT = "In a quiet village by the sea, the old lighthouse keeper"
@@ -141,17 +141,20 @@ def test_decode_killed_mid_stream_fails_over_exactly(faults: Faults) -> None:
     killed: list[ServiceProcess] = []
 
     def kill_the_busy_decode() -> None:
-        busy = [d for d in faults.decode if running_requests(d.address, "decode") > 0]
-        assert len(busy) == 1, "exactly one decode instance should hold the stream"
-        busy[0].signal(signal.SIGKILL)
-        busy[0].proc.wait(timeout=10)
-        killed.append(busy[0])
+        busy = busy_decode(faults.decode)
+        if busy is not None:  # None: the stream already finished there; streamed again
+            busy.signal(signal.SIGKILL)
+            busy.proc.wait(timeout=10)
+            killed.append(busy)
 
-    text, tokens = _stream_collect(client, kill_after=5, on_kill=kill_the_busy_decode)
-    assert killed, "the stream ended before the kill"
+    for _attempt in range(FAULT_ATTEMPTS):
+        text, tokens = _stream_collect(client, kill_after=5, on_kill=kill_the_busy_decode)
+        assert tokens == expected_tokens
+        assert text == expected_text
+        if killed:
+            break
+    assert killed, f"the stream ended before the kill in {FAULT_ATTEMPTS} tries"
     assert metric(url, "pdserve_decode_failovers_total") >= failovers + 1
-    assert tokens == expected_tokens
-    assert text == expected_text
     # The router keeps serving with the survivor.
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
 

@@ -18,7 +18,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.router_support import metric, running_requests, wait_for
+from tests.e2e.router_support import (
+    FAULT_ATTEMPTS,
+    busy_decode,
+    metric,
+    running_requests,
+    wait_for,
+)
 from tests.service_fixtures import ProcessStack, ServiceProcess
 
 PROMPT = "In a quiet village by the sea, the old lighthouse keeper"
@@ -85,12 +91,12 @@ def _stream(router: ServiceProcess, after_chunk: Callable[[int], None] | None = 
 
 def _pause_busy_decode(hung: Hung, paused: list[ServiceProcess]) -> Callable[[int], None]:
     def after_chunk(n: int) -> None:
-        if n != 5:
+        if n != 5 or paused:
             return
-        busy = [d for d in hung.decode if running_requests(d.address, "decode") > 0]
-        assert len(busy) == 1, "exactly one decode instance should hold the stream"
-        busy[0].signal(signal.SIGSTOP)
-        paused.append(busy[0])
+        busy = busy_decode(hung.decode)
+        if busy is not None:  # None: the stream already finished there; streamed again
+            busy.signal(signal.SIGSTOP)
+            paused.append(busy)
 
     return after_chunk
 
@@ -114,11 +120,13 @@ def _stall_and_check(hung: Hung, router: ServiceProcess, reason: str) -> None:
     failovers = metric(url, "pdserve_decode_failovers_total")
     paused: list[ServiceProcess] = []
     try:
-        text = _stream(router, _pause_busy_decode(hung, paused))
+        for _attempt in range(FAULT_ATTEMPTS):
+            assert _stream(router, _pause_busy_decode(hung, paused)) == expected
+            if paused:
+                break
     finally:
         _resume(hung, paused, router)
-    assert paused, "the stream ended before the pause"
-    assert text == expected
+    assert paused, f"the stream ended before the pause in {FAULT_ATTEMPTS} tries"
     assert metric(url, "pdserve_decode_failovers_total") >= failovers + 1
     assert metric(url, "pdserve_decode_stalls_total", reason=reason) >= 1
 
