@@ -20,17 +20,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.errors import APIError, error_body, install_error_handlers
 from router.estimator import AutoEstimator
-from router.handlers import Deps, handle_generation
+from router.handlers import Deps, handle_generation, outcome_of
 from router.lora import adapter_cards
 from router.lora_admin import add_lora_admin_routes
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.pool import InstancePool
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses_api import ResponsesRequest
+from router.responses_format import ResponsesFormatter
 from router.rpc import LegContext
 from router.settings import RouterSettings
 from router.tokenize_api import add_tokenize_routes
 from router.tokenizer import PromptProcessor
+from router.trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +274,17 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await handle_generation(request, deps, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = body.chat_request()
+        except APIError as exc:
+            Trace().finish(deps.metrics, outcome_of(exc))
+            raise
+        return await handle_generation(
+            request, deps, chat, shape=lambda _jobs, parser: ResponsesFormatter(body, parser)
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

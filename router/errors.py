@@ -81,7 +81,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """First validation problem as ``(message, param)``; ``param`` is the dotted field path."""
     errors = exc.errors()
     if not errors:
@@ -114,7 +114,7 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None] | None =
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         if on_invalid is not None:
             on_invalid()
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return ErrorResponse(
             error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
         )

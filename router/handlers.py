@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -29,7 +29,7 @@ from router.protocol import (
     chat_params,
     completion_params,
 )
-from router.responses import DONE, Formatter, Usage, sse
+from router.responses import AnswerFormat, Formatter, Usage
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
 from router.tool_parsers import ToolParser
@@ -175,17 +175,25 @@ def _formatter(
     )
 
 
+# Builds a request's answer format from its jobs and tool-call parser (another API's shape).
+AnswerShape = Callable[[list[Job], ToolParser | None], AnswerFormat]
+
+
 async def handle_generation(
-    request: Request, deps: Deps, req: CompletionRequest | ChatCompletionRequest
+    request: Request,
+    deps: Deps,
+    req: CompletionRequest | ChatCompletionRequest,
+    shape: AnswerShape | None = None,
 ) -> Response:
-    """Run a completions or chat request end to end."""
+    """Run a completions or chat request end to end; ``shape``: answer in another API's
+    shape (the Responses API, router/responses_format.py) instead of ``req``'s own."""
     trace = Trace()
     try:
         jobs, parser = await _admit(deps, req)
     except APIError as exc:
         trace.finish(deps.metrics, outcome_of(exc))
         raise
-    fmt = _formatter(deps, req, jobs, parser)
+    fmt = shape(jobs, parser) if shape is not None else _formatter(deps, req, jobs, parser)
     usage = Usage(prompt_tokens=sum(len(job.prompt_ids) for job in jobs))
     deps.active += 1
     release = True
@@ -236,7 +244,7 @@ async def _reindex(stream: AsyncIterator[Delta], offset: int) -> AsyncIterator[D
         yield delta
 
 
-def _usage_now(fmt: Formatter, usage: Usage, trace: Trace) -> Usage | None:
+def _usage_now(fmt: AnswerFormat, usage: Usage, trace: Trace) -> Usage | None:
     """The usage so far for a chunk (``stream_options.continuous_usage_stats``), else None."""
     if not fmt.continuous_usage:
         return None
@@ -255,7 +263,7 @@ async def _stream(
     deps: Deps,
     run: AsyncIterator[Delta],
     first: Delta,
-    fmt: Formatter,
+    fmt: AnswerFormat,
     usage: Usage,
     trace: Trace,
     include_usage: bool,
@@ -275,18 +283,21 @@ async def _stream(
         if include_usage:
             _fill_usage(usage, trace, timings)
             yield fmt.usage_chunk(usage)
-        yield DONE
+        if fmt.done:
+            yield fmt.done
         outcome = "success"
     except APIError as exc:
         outcome = outcome_of(exc)
         logger.warning("stream %s failed: %s", fmt.request_id, exc.message)
-        yield sse(exc.body())
-        yield DONE
+        yield fmt.error_event(exc)
+        if fmt.done:
+            yield fmt.done
     except Exception as exc:
         outcome = "error"
         logger.exception("stream %s failed", fmt.request_id)
-        yield sse(APIError(500, f"internal error: {type(exc).__name__}").body())
-        yield DONE
+        yield fmt.error_event(APIError(500, f"internal error: {type(exc).__name__}"))
+        if fmt.done:
+            yield fmt.done
     finally:
         deps.active -= 1
         trace.finish(deps.metrics, outcome)
@@ -303,7 +314,7 @@ async def _complete(
     request: Request,
     deps: Deps,
     run: AsyncIterator[Delta],
-    fmt: Formatter,
+    fmt: AnswerFormat,
     usage: Usage,
     trace: Trace,
     timings: bool,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from router.best_of import best_indices
+from router.errors import APIError
 from router.tokenizer import PromptProcessor
 from router.tool_parsers import ToolParser
 from router.tool_parsers.stream import ToolCallStream, final_message
@@ -64,8 +65,26 @@ class Usage:
         return out
 
 
+class AnswerFormat(Protocol):
+    """What the handlers need from an answer's shape: this module's :class:`Formatter`
+    (completions, chat) or router/responses_format.py's (the Responses API)."""
+
+    request_id: str
+    include_usage_field: bool  # the stream ends with a usage event
+    continuous_usage: bool
+    done: bytes  # the stream's last bytes (b"" for none)
+
+    def absorb(self, delta: Delta) -> tuple[ChoiceState, str]: ...
+    def chunk(self, delta: Delta, usage: Usage | None = None) -> bytes: ...
+    def usage_chunk(self, usage: Usage) -> bytes: ...
+    def error_event(self, exc: APIError) -> bytes: ...
+    def final(self, usage: Usage) -> dict[str, Any]: ...
+
+
 class Formatter:
     """Builds the bodies of one request (``chat`` or completions)."""
+
+    done = DONE
 
     def __init__(
         self,
@@ -178,6 +197,10 @@ class Formatter:
         payload["choices"] = []
         payload["usage"] = usage.body()
         return sse(payload)
+
+    def error_event(self, exc: APIError) -> bytes:
+        """An error after the first byte, in band (the stream has answered 200)."""
+        return sse(exc.body())
 
     # -- whole answer ----------------------------------------------------------------------
     def final(self, usage: Usage) -> dict[str, Any]:
