@@ -6,7 +6,7 @@ length against the context, and the whole request against the largest instance's
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -24,6 +24,7 @@ def chat_text(
     add_generation_prompt: bool,
     continue_final_message: bool,
     tools: list[ToolDef] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation through the model's chat template; 400 when the template fails.
     Tools and tool turns go in as router/tool_template.py describes."""
@@ -38,6 +39,7 @@ def chat_text(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tool_dicts,
+            template_kwargs=template_kwargs,
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
@@ -71,7 +73,7 @@ async def prompts_of(deps: Deps, req: CompletionRequest | ChatCompletionRequest)
     # megabytes of text would hold a worker thread, and the GIL, for seconds).
     limit = limits.max_prompt_tokens or deps.processor.shape.max_model_len
     at_least = -(-_longest_text(req) // deps.processor.max_token_chars)
-    if at_least > limit:
+    if at_least > limit and req.truncate_prompt_tokens is None:
         raise bad_request(
             f"the prompt has at least {at_least} tokens; the limit is {limit}",
             "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
@@ -104,17 +106,28 @@ def _text_size(req: CompletionRequest | ChatCompletionRequest) -> int:
 def _prompts_sync(
     proc: PromptProcessor, req: CompletionRequest | ChatCompletionRequest
 ) -> list[list[int]]:
+    keep = req.truncate_prompt_tokens
+    if keep == -1:
+        keep = proc.shape.max_model_len
     if isinstance(req, ChatCompletionRequest):
         text = chat_text(
-            proc, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools
+            proc,
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.tools,
+            req.chat_template_kwargs,
         )
-        return [proc.encode(text, add_special_tokens=False)]
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [proc.encode(prompt)]
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [proc.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+        prompts = [proc.encode(text, add_special_tokens=False)]
+    elif isinstance(req.prompt, str):
+        prompts = [proc.encode(req.prompt)]
+    elif all(isinstance(p, int) for p in req.prompt):
+        prompts = [list(req.prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = [proc.encode(p) if isinstance(p, str) else list(p) for p in req.prompt]  # type: ignore[arg-type]
+    # vLLM's truncate_prompt_tokens: keep the last ``keep`` tokens (the end of a chat is
+    # what the model answers).
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 def check_prompt(deps: Deps, ids: list[int], max_tokens: int | None) -> int:

@@ -101,6 +101,8 @@ class _CommonRequest(TextCheckedRequest):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's context).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     pdserve_timings: bool = False
     # Guided decoding (router/guided.py): vLLM's extensions or OpenAI's response_format.
     guided_regex: str | None = None
@@ -125,6 +127,8 @@ class _CommonRequest(TextCheckedRequest):
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the context)")
         if self.prompt_logprobs is not None:
             raise ValueError(
                 "prompt_logprobs (vLLM's separate output) is not supported; send echo with "
@@ -241,6 +245,8 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: ToolList | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

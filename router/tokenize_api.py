@@ -24,6 +24,7 @@ class TokenizeRequest(TextCheckedRequest):
     add_special_tokens: bool = True  # prompt only: the template writes its own
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -56,7 +57,11 @@ def add_tokenize_routes(app: FastAPI, processor: PromptProcessor, served: list[s
         check_model(body.model)
         if body.messages is not None:
             text = chat_text(
-                processor, body.messages, body.add_generation_prompt, body.continue_final_message
+                processor,
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
             )
             special = False  # the template already wrote any BOS it wants
         else:

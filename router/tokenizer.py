@@ -181,19 +181,21 @@ class PromptProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as prompt text through the model's chat template (``tools``
-        passed the way transformers does, for templates that render them)."""
+        passed the way transformers does, for templates that render them;
+        ``template_kwargs``: the request's ``chat_template_kwargs``, such as Qwen3's
+        ``enable_thinking``, beneath the variables named here)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        extra = {} if tools is None else {"tools": tools}
+        variables = dict(template_kwargs or {})
+        variables |= self.special_tokens
+        variables |= {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools is not None:
+            variables["tools"] = tools
         try:
-            text = self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **extra,
-            )
+            text = self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         if continue_final_message and messages:

@@ -353,3 +353,21 @@ def test_min_tokens_holds_stop_tokens_back(stack: Stack) -> None:
         out = complete(stack.client(router), max_tokens=8, extra_body=extra)
         assert out.choices[0].text == want.text, router.name
         assert out.usage is not None and out.usage.completion_tokens == len(want.token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(stack: Stack) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the answer is the one to the last k tokens, also
+    for a prompt longer than the router's prompt limit (256 here)."""
+    proc = PromptProcessor.from_model_dir(stack.model_dir)
+    ids = proc.encode(PROMPT * 40)
+    assert len(ids) > 256
+    out = complete(stack.client(), prompt=PROMPT * 40, extra_body={"truncate_prompt_tokens": 7})
+    assert out.usage is not None and out.usage.prompt_tokens == 7
+    assert out.choices[0].text == complete(stack.client(), prompt=ids[-7:]).choices[0].text
+    chat = stack.client().chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5

@@ -7,6 +7,7 @@ error body — never FastAPI's 422.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,32 @@ def test_null_fields_mean_the_default(client: TestClient) -> None:
     assert resp.status_code == 503, resp.text
     err = assert_error(client.post(COMP, json={"model": None, "prompt": "x"}), 400, "model")
     assert "required" in err["message"].lower(), err
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) are template variables;
+    the router's own (``messages``, ``add_generation_prompt``) cannot be overridden."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+    )
+    body = {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}
+    with TestClient(build_app(model_dir)) as client:
+        plain = client.post("/tokenize", json=body).json()
+        off = client.post(
+            "/tokenize",
+            json=body | {"chat_template_kwargs": {"enable_thinking": False, "messages": []}},
+        ).json()
+    assert "no_think" not in "".join(plain["token_strs"])
+    assert "".join(off["token_strs"]) == "".join(plain["token_strs"]) + " /no_think"
+
+
+@pytest.mark.parametrize("keep", [0, -2])
+def test_bad_truncate_prompt_tokens_is_400(client: TestClient, keep: int) -> None:
+    resp = client.post(COMP, json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": keep})
+    assert_error(resp, 400)
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:
