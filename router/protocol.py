@@ -115,6 +115,7 @@ class _CommonRequest(TextCheckedRequest):
     # "Refused fields" gives the reasons).
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -133,6 +134,11 @@ class _CommonRequest(TextCheckedRequest):
             raise ValueError(
                 "prompt_logprobs (vLLM's separate output) is not supported; send echo with "
                 "logprobs on /v1/completions for the prompt's logprobs"
+            )
+        if self.include_stop_str_in_output:
+            raise ValueError(
+                "include_stop_str_in_output is not supported: the stop string is cut from the "
+                "output (finish_reason says why it ended)"
             )
         if self.use_beam_search:
             raise ValueError(
