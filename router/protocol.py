@@ -75,6 +75,10 @@ class TextCheckedRequest(BaseModel):
     @classmethod
     def _check_text(cls, data: Any) -> Any:
         reject_surrogates(data)
+        # OpenAI's schemas make the optional fields nullable and some clients send every
+        # field, null included (`"n": null`, `"stream": null`): null means the default.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
         return data
 
 
@@ -116,15 +120,6 @@ class _CommonRequest(TextCheckedRequest):
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        # OpenAI's schema makes these fields nullable and some clients send every field,
-        # null included (`"n": null`, `"stream": null`): null means "use the default".
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:

@@ -186,3 +186,11 @@ def test_bad_requests_are_openai_errors(
 def test_openai_client_error_type(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="stores no responses"):
         stack.client().responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+
+
+def test_null_fields_mean_the_default(stack: Stack) -> None:
+    body = {"model": "tiny", "input": ASK, "max_output_tokens": 4, "temperature": 0,
+            "stream": None, "instructions": None, "tools": None, "text": None}  # fmt: skip
+    reply = httpx.post(f"{stack.disagg.url}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "response"
