@@ -30,7 +30,11 @@ class OutputProcessor:
         """Begin detokenizing a new request (after tokens it already carries)."""
         params = request.params
         self._detok[request.request_id] = IncrementalDetokenizer.start(
-            self.tokenizer, params.stop, params.skip_special_tokens, request.output_token_ids
+            self.tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            request.output_token_ids,
+            include_stop=params.include_stop_str_in_output,
         )
 
     def release(self, request_id: str) -> None:

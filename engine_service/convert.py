@@ -51,6 +51,7 @@ def sampling_params_from_proto(
         repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
         logprobs=int(msg.logprobs) if want_logprobs else None,
         skip_special_tokens=bool(msg.skip_special_tokens),
+        include_stop_str_in_output=bool(msg.include_stop_str_in_output),
         # GuidedSpec raises ValueError on an unknown kind or malformed value; the engine
         # raises it (with the parser's message) for a schema/regex/grammar that won't parse.
         guided=GuidedSpec(msg.guided_kind, msg.guided_value) if msg.guided_kind else None,

@@ -81,6 +81,7 @@ class _Choice:
                 params.skip_special_tokens,
                 self.emitted,
                 list(self.tokens),
+                params.include_stop_str_in_output,
             )
 
     def on_chunk(self, chunk: Any) -> Delta | None:

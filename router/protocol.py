@@ -130,11 +130,6 @@ class _CommonRequest(TextCheckedRequest):
                 "prompt_logprobs (vLLM's separate output) is not supported; send echo with "
                 "logprobs on /v1/completions for the prompt's logprobs"
             )
-        if self.include_stop_str_in_output:
-            raise ValueError(
-                "include_stop_str_in_output is not supported: the stop string is cut from the "
-                "output (finish_reason says why it ended)"
-            )
         if self.use_beam_search:
             raise ValueError(
                 "use_beam_search is not supported: the engine samples, it has no beam search"
@@ -286,6 +281,7 @@ class GenParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = off; k = chosen token + top-k alternatives
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     guided_kind: str = ""  # "" = no guide; else an engine GuidedSpec kind
     guided_value: str = ""
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -328,6 +324,7 @@ def gen_params(req: _CommonRequest, *, max_tokens: int | None, logprobs: int | N
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         guided_kind=guided_kind,
         guided_value=guided_value,
         logit_bias=logit_bias_of(req),

@@ -27,6 +27,7 @@ class ResumedText:
     skip_special_tokens: bool
     emitted: str
     token_ids: list[int] = field(default_factory=list)
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the text ends with it
 
     def feed(self, new_ids: list[int], finished: bool) -> tuple[str, bool]:
         """Append tokens; return (new text for the client, whether a stop string was hit)."""
@@ -36,9 +37,11 @@ class ResumedText:
         # character that has since completed, that position is not sent again.)
         start = len(self.emitted)
         if self.stops:
-            hits = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, s) for i, s in ((full.find(s, start), s) for s in self.stops) if i >= 0]
             if hits:
-                return self._emit(full, start, min(hits)), True
+                # The engines' rule (engine/core/detokenizer.py): the earliest, then longest.
+                at, found = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+                return self._emit(full, start, at + len(found) if self.include_stop else at), True
         end = len(full)
         if not finished:
             if full.endswith(_REPLACEMENT):

@@ -95,6 +95,7 @@ def sampling_proto(job: Job, index: int) -> pdserve_pb2.SamplingParams:
         logprobs=p.logprobs or 0,
         return_logprobs=p.logprobs is not None,
         skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         guided_kind=p.guided_kind,
         guided_value=p.guided_value,
         logit_bias=p.logit_bias,

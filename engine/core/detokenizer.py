@@ -11,7 +11,8 @@ but not committed.
 
 Two things are held back from the caller: an incomplete UTF-8 character, and the last
 ``max(len(stop)) - 1`` characters, which could be the start of a stop string split across
-tokens. A found stop string ends the request and is not returned. The streamed text equals
+tokens. A found stop string ends the request and is not returned (with ``include_stop``, vLLM's
+``include_stop_str_in_output``, the text ends with it). The streamed text equals
 the full decode of the output ids (``tests/unit/test_engine_detokenizer.py`` checks this
 against the real tokenizer, multi-byte characters and special tokens included).
 """
@@ -36,6 +37,7 @@ class IncrementalDetokenizer:
     stop: list[str]
     skip_special_tokens: bool = True
     token_ids: list[int] = field(default_factory=list)
+    include_stop: bool = False  # a found stop string ends the text instead of being cut
     emitted: int = 0  # characters of ``text`` already returned
     stopped: bool = False
     # The tail of the committed text (ids before ``read_offset``, after any initial ids'
@@ -55,10 +57,16 @@ class IncrementalDetokenizer:
 
     @classmethod
     def start(
-        cls, tokenizer: Any, stop: list[str], skip_special: bool, initial_ids: list[int]
+        cls,
+        tokenizer: Any,
+        stop: list[str],
+        skip_special: bool,
+        initial_ids: list[int],
+        *,
+        include_stop: bool = False,
     ) -> IncrementalDetokenizer:
         """``initial_ids`` were generated (and shown) elsewhere: they give context only."""
-        det = cls(tokenizer, stop, skip_special, list(initial_ids))
+        det = cls(tokenizer, stop, skip_special, list(initial_ids), include_stop)
         det.read_offset = len(det.token_ids)
         det.prefix_offset = max(0, det.read_offset - _INITIAL_CONTEXT_TOKENS)
         if det.max_stop_len > 1 and det.token_ids and tokenizer is not None:
@@ -117,10 +125,11 @@ class IncrementalDetokenizer:
         text = self.text + pending if pending else self.text
         if stops:
             search_from = max(0, self.emitted - self.max_stop_len + 1)
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s, search_from), s) for s in self.stop) if i >= 0]  # fmt: skip
             if hits:
                 self.stopped = True
-                end = max(min(hits), self.emitted)
+                at, found = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+                end = max(at + len(found) if self.include_stop else at, self.emitted)
                 delta, self.emitted = text[self.emitted : end], end
                 return delta
         end = len(text)

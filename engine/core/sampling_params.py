@@ -30,6 +30,8 @@ class SamplingParams:
     # None = off; k >= 0: every prompt token's logprob + top-k (engine/sampling/prompt_logprobs.py)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # A stop string that ends the request stays at the end of the text (vLLM's).
+    include_stop_str_in_output: bool = False
     guided: GuidedSpec | None = None  # grammar constraint (JSON schema, regex, choice, EBNF)
     # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias)
     logit_bias: dict[int, float] = field(default_factory=dict)

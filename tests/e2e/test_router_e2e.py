@@ -75,6 +75,16 @@ def test_stop_string(stack: Stack) -> None:
         )
     )
     assert streamed == out.text
+    # vLLM's include_stop_str_in_output: the same answer, ending with the stop string, also
+    # streamed and on the colocated path.
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}
+    want = full[: full.index(stop) + len(stop)]
+    for router in (stack.disagg, stack.colocated):
+        got = complete(stack.client(router), max_tokens=24, stop=[stop], extra_body=kept)
+        assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+        chunks = complete(stack.client(router), max_tokens=24, stop=stop, stream=True,
+                          extra_body=kept)  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks) == want
 
 
 def test_seeded_sampling_is_reproducible_and_choices_differ(stack: Stack) -> None:

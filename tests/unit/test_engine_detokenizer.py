@@ -68,6 +68,21 @@ def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
     assert det.stopped and "".join(deltas) == "Hello world"
 
 
+@pytest.mark.parametrize(("stops", "want"), [(["lo wor"], "Hello wor"), (["is a", ", th"], "Hello world, th")])  # fmt: skip
+def test_include_stop_ends_the_text_with_it(tokenizer: Any, stops: list[str], want: str) -> None:
+    """vLLM's include_stop_str_in_output: the earliest stop string stays, split across
+    tokens or not; nothing after it is returned."""
+    ids = tokenizer.encode("Hello world, this is a test.", add_special_tokens=False)
+    det = IncrementalDetokenizer.start(tokenizer, stops, True, [], include_stop=True)
+    deltas = []
+    for n, i in enumerate(ids, 1):
+        deltas.append(det.add([i], finished=n == len(ids)))
+        if det.stopped:
+            break
+    assert det.stopped
+    assert "".join(deltas) == want
+
+
 @pytest.mark.parametrize("text", ["🙂 ok", "x 🦙 y", "日本語のテキスト"])
 def test_incomplete_utf8_is_held_back(tokenizer: Any, text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)

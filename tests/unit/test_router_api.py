@@ -127,7 +127,6 @@ def test_unknown_model_and_adapter_endpoints_without_the_flag(client: TestClient
         (COMP, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"one": 5}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens"),
-        (COMP, {"model": MODEL, "prompt": "x", "include_stop_str_in_output": True}, None),
         (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"-1": 5}}, None),
         (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, None),

@@ -18,10 +18,15 @@ def proc(tiny_model_dir: Path) -> PromptProcessor:
 
 
 def replay(
-    proc: PromptProcessor, ids: list[int], cut: int, emitted: str, stops: list[str]
+    proc: PromptProcessor,
+    ids: list[int],
+    cut: int,
+    emitted: str,
+    stops: list[str],
+    include_stop: bool = False,
 ) -> tuple[str, bool]:
     """Client text after resuming at token ``cut`` with ``emitted`` already shown."""
-    resumed = ResumedText(proc, stops, True, emitted, list(ids[:cut]))
+    resumed = ResumedText(proc, stops, True, emitted, list(ids[:cut]), include_stop)
     text, stopped = emitted, False
     for i in range(cut, len(ids)):
         delta, stopped = resumed.feed([ids[i]], finished=i == len(ids) - 1)
@@ -53,6 +58,9 @@ def test_stop_string_after_resume(proc: PromptProcessor) -> None:
         proc, ids, cut, shown[:-2], [shown[-2:] + proc.decode(ids[cut : cut + 1])]
     )
     assert stopped and text == shown[:-2]
+    # include_stop_str_in_output: the text ends with the stop string instead.
+    text, stopped = replay(proc, ids, cut, shown[:-2], ["four"], True)
+    assert stopped and text == "one two three four"
 
 
 def test_split_utf8_character(proc: PromptProcessor) -> None:
