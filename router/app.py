@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -36,6 +37,16 @@ from router.tokenizer import PromptProcessor
 from router.trace import Trace
 
 logger = logging.getLogger(__name__)
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+_VERSION = _installed_version()
 
 
 def key_matches(header: bytes, keys: list[bytes]) -> bool:
@@ -320,6 +331,11 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
             }
         body = {"status": "ok" if ready else "unavailable", "mode": orch.mode, **pools}
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``GET /version``: the installed pdserve's version."""
+        return {"version": _VERSION}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

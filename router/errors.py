@@ -88,6 +88,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") == "missing":
+        return "the request has no body; send a JSON object (Content-Type: application/json)", None  # fmt: skip
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        # Also what FastAPI gives a JSON body sent without a JSON Content-Type (curl -d).
+        return "the request body must be a JSON object sent with Content-Type: application/json", None  # fmt: skip
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None

@@ -201,6 +201,24 @@ def test_lone_surrogate_is_400(client: TestClient, url: str, raw: bytes, where: 
     assert err["message"].startswith(f"{where}: contains a lone UTF-16 surrogate"), err
 
 
+@pytest.mark.parametrize(
+    ("content", "headers"),
+    [
+        (b"", {}),
+        (
+            b'{"model": "tiny", "prompt": "x"}',
+            {"content-type": "application/x-www-form-urlencoded"},
+        ),
+        (b"[1, 2]", {"content-type": "application/json"}),
+    ],
+)
+def test_body_that_is_not_a_json_object_is_named(
+    client: TestClient, content: bytes, headers: dict[str, str]
+) -> None:
+    err = assert_error(client.post(COMP, content=content, headers=headers), 400)
+    assert "Content-Type: application/json" in err["message"], err
+
+
 def test_malformed_json_is_400(client: TestClient) -> None:
     resp = client.post(
         COMP, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}
@@ -352,6 +370,12 @@ def test_public_metrics_leaves_only_metrics_open(tiny_model_dir: Path) -> None:
         assert c.get("/metrics").status_code == 200
         assert_error(c.get("/openapi.json"), 401)
         assert_error(c.get("/v1/models"), 401)
+
+
+def test_version(client: TestClient) -> None:
+    import importlib.metadata
+
+    assert client.get("/version").json() == {"version": importlib.metadata.version("pdserve")}
 
 
 def test_models_and_health(client: TestClient) -> None:
