@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+from common.version import installed_version
+
 # (module, attribute) of every subcommand registrar, in help order.
 _REGISTRARS = [
     "pdserve.models:add_parser",
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
         help="logging level (env PDSERVE_LOG_LEVEL)",
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {installed_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for spec in _REGISTRARS:
         module_name, attr = spec.split(":")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib.metadata
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.version import installed_version
 from router.errors import APIError, error_body, install_error_handlers
 from router.estimator import AutoEstimator
 from router.handlers import Deps, handle_generation, outcome_of
@@ -37,16 +37,6 @@ from router.tokenizer import PromptProcessor
 from router.trace import Trace
 
 logger = logging.getLogger(__name__)
-
-
-def _installed_version() -> str:
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "0+unknown"
-
-
-_VERSION = _installed_version()
 
 
 def key_matches(header: bytes, keys: list[bytes]) -> bool:
@@ -335,7 +325,7 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         """vLLM's ``GET /version``: the installed pdserve's version."""
-        return {"version": _VERSION}
+        return {"version": installed_version()}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
