@@ -127,17 +127,23 @@ def test_crash_loop_stops_everything_with_exit_1(tmp_path: Path, tiny_model_dir:
         found = re.search(r"127\.0\.0\.1:(\d+)", title)
         assert found, title
         redis_port = int(found.group(1))
-        os.kill(redis["pid"], signal.SIGKILL)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        bind_deadline = time.monotonic() + 10
-        while True:  # the killed server's socket is gone once the kernel reaps it
-            try:
-                holder.bind(("127.0.0.1", redis_port))
-                break
-            except OSError:
-                assert time.monotonic() < bind_deadline, "redis's port never came free"
-                time.sleep(0.01)
-        holder.listen()
+        # The supervisor is paused (itself only) while the port is taken: a restart 0.5 s
+        # after the exit could otherwise bind the port before the holder does.
+        os.kill(up.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(redis["pid"], signal.SIGKILL)
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            bind_deadline = time.monotonic() + 10
+            while True:  # the killed server's socket is gone once it exits
+                try:
+                    holder.bind(("127.0.0.1", redis_port))
+                    break
+                except OSError:
+                    assert time.monotonic() < bind_deadline, "redis's port never came free"
+                    time.sleep(0.01)
+            holder.listen()
+        finally:
+            os.kill(up.proc.pid, signal.SIGCONT)
 
         status = up.proc.wait(timeout=RESTART_TIMEOUT_S)
         out = up.output()
