@@ -5,28 +5,49 @@ API keys and limits, auto mode, metrics; the same kind of stack as test_router_e
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.router_support import PROMPT, Stack, metric, running_requests, wait_for
+from tests.e2e.router_support import (
+    FAULT_ATTEMPTS,
+    PROMPT,
+    Stack,
+    metric,
+    running_requests,
+    wait_for,
+)
 from tests.e2e.router_support import complete_prompt as complete
 from tests.service_fixtures import start_router
 
 
-def _wait_decode_cancelled(stack: Stack, url: str, cancelled: float) -> None:
-    """Wait until the decode service (metrics at ``url``) counts one more cancelled Decode
-    call than ``cancelled`` and runs no request any more."""
-    wait_for(
-        lambda: (
-            metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
-            > cancelled
-        ),
-        30,
-        "decode to see the cancellation",
-    )
+def _leave_until_cancelled(stack: Stack, leave: Callable[[], None]) -> None:
+    """Run ``leave`` (a request the client drops mid-way) until the decode service counts
+    its Decode call cancelled, then wait until it runs no request. An attempt whose Decode
+    call ended ``ok`` came too late (on a loaded machine the decode can finish before the
+    client leaves) and is made again, up to ``FAULT_ATTEMPTS`` times; a router that never
+    cancels fails every one."""
+    url = stack.decode.metrics_url
+
+    def decode_calls(outcome: str) -> float:
+        return metric(url, "pdserve_service_requests_total", rpc="Decode", outcome=outcome)
+
+    for _attempt in range(FAULT_ATTEMPTS):
+        cancelled, done = decode_calls("cancelled"), decode_calls("ok")
+        leave()
+        wait_for(
+            lambda c=cancelled, d=done: decode_calls("cancelled") > c or decode_calls("ok") > d,  # type: ignore[misc]
+            30,
+            "the decode to end the stream",
+        )
+        if decode_calls("cancelled") > cancelled:
+            break
+    else:
+        pytest.fail(f"the decode finished before the client left in {FAULT_ATTEMPTS} tries")
     wait_for(
         lambda: running_requests(stack.decode.address, "decode") == 0,
         30,
@@ -95,8 +116,6 @@ def test_bad_input_through_openai_client(stack: Stack) -> None:
 
 
 def test_client_disconnect_aborts_decode(stack: Stack) -> None:
-    url = stack.decode.metrics_url
-    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -104,18 +123,20 @@ def test_client_disconnect_aborts_decode(stack: Stack) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    with (
-        httpx.Client(timeout=60) as http,
-        http.stream("POST", f"{stack.disagg.url}/v1/completions", json=body) as resp,
-    ):
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        seen = 0
-        for line in lines:
-            seen += line.startswith("data: ")
-            if seen >= 3:
-                break  # leave mid-stream: closing the response drops the connection
-    _wait_decode_cancelled(stack, url, cancelled)
+
+    def leave() -> None:
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{stack.disagg.url}/v1/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break  # leave mid-stream: closing the response drops the connection
+
+    _leave_until_cancelled(stack, leave)
     assert metric(f"{stack.disagg.url}/metrics", "pdserve_requests_total", outcome="cancelled") >= 1
 
 
@@ -206,12 +227,15 @@ def test_api_key_and_concurrency_limit(stack: Stack, tmp_path: Path) -> None:
 
 
 def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
-    url = stack.decode.metrics_url
-    cancelled = metric(url, "pdserve_service_requests_total", rpc="Decode", outcome="cancelled")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        # The client gives up long before 1800 tokens are done, dropping the connection.
-        httpx.post(
-            f"{stack.disagg.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0)
-        )
-    _wait_decode_cancelled(stack, url, cancelled)
+
+    def leave() -> None:
+        # The client gives up after 1 s, usually long before 1800 tokens are done (an answer
+        # in time is an attempt that did not land), dropping the connection.
+        with contextlib.suppress(httpx.ReadTimeout):
+            reply = httpx.post(
+                f"{stack.disagg.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0)
+            )
+            assert reply.status_code == 200, reply.text
+
+    _leave_until_cancelled(stack, leave)
