@@ -27,6 +27,7 @@ from tests.integration.up_support import (
     READY_TIMEOUT_S,
     SMALL,
     UpProcess,
+    kill_and_take_port,
     read_status,
     workdir_of,
 )
@@ -114,26 +115,9 @@ def test_restart_on_a_taken_port_moves_the_child_and_the_router_follows(run: Run
     before = read_status(run.workdir)["decode-0"]
     old = before["address"]
     load = Load(run)
-    squatter = socket.socket()
+    # A restart that beat the squatter would take the old port and die on it (2 restarts).
+    squatter = kill_and_take_port(run.up.proc.pid, before["pid"], int(old.rsplit(":", 1)[1]))
     try:
-        # The supervisor is paused (itself only: its children run on) while the port is
-        # taken: it restarts a child 0.5 s after noticing the exit, and a restart that beat
-        # the squatter would take the old port and then die on it, a second restart.
-        os.kill(run.up.proc.pid, signal.SIGSTOP)
-        try:
-            os.kill(before["pid"], signal.SIGKILL)
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            deadline = time.monotonic() + 10
-            while True:  # the killed server's socket is gone once it exits
-                try:
-                    squatter.bind(("127.0.0.1", int(old.rsplit(":", 1)[1])))
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "the decode's port never came free"
-                    time.sleep(0.01)
-            squatter.listen()
-        finally:
-            os.kill(run.up.proc.pid, signal.SIGCONT)
         now = run.wait(
             "decode-0 back on new ports",
             lambda s: s["decode-0"]["state"] == "running" and s["decode-0"]["restarts"] == 1,

@@ -24,6 +24,7 @@ from tests.integration.up_support import (
     UpProcess,
     alive,
     descendants,
+    kill_and_take_port,
     read_status,
     workdir_of,
 )
@@ -117,7 +118,7 @@ def test_crash_loop_stops_everything_with_exit_1(tmp_path: Path, tiny_model_dir:
         *("--model", str(tiny_model_dir), "--port", str(port), "--connector", "redis"),
         *("--max-restarts", "3", *SMALL),
     )
-    holder = socket.socket()
+    holder: socket.socket | None = None
     try:
         up.wait_for("pdserve is ready", READY_TIMEOUT_S)
         children = descendants(up.proc.pid)
@@ -127,23 +128,7 @@ def test_crash_loop_stops_everything_with_exit_1(tmp_path: Path, tiny_model_dir:
         found = re.search(r"127\.0\.0\.1:(\d+)", title)
         assert found, title
         redis_port = int(found.group(1))
-        # The supervisor is paused (itself only) while the port is taken: a restart 0.5 s
-        # after the exit could otherwise bind the port before the holder does.
-        os.kill(up.proc.pid, signal.SIGSTOP)
-        try:
-            os.kill(redis["pid"], signal.SIGKILL)
-            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            bind_deadline = time.monotonic() + 10
-            while True:  # the killed server's socket is gone once it exits
-                try:
-                    holder.bind(("127.0.0.1", redis_port))
-                    break
-                except OSError:
-                    assert time.monotonic() < bind_deadline, "redis's port never came free"
-                    time.sleep(0.01)
-            holder.listen()
-        finally:
-            os.kill(up.proc.pid, signal.SIGCONT)
+        holder = kill_and_take_port(up.proc.pid, redis["pid"], redis_port)
 
         status = up.proc.wait(timeout=RESTART_TIMEOUT_S)
         out = up.output()
@@ -155,7 +140,8 @@ def test_crash_loop_stops_everything_with_exit_1(tmp_path: Path, tiny_model_dir:
             time.sleep(0.1)
         assert not [pid for pid in children if alive(pid)], "children outlived pdserve up"
     finally:
-        holder.close()
+        if holder is not None:
+            holder.close()
         up.kill_tree()
 
 

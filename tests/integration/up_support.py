@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,3 +100,29 @@ def read_status(workdir: Path) -> dict[str, dict[str, Any]]:
     """``status.json`` of a running `pdserve up`, by child name."""
     data = json.loads((workdir / "status.json").read_text())
     return {child["name"]: child for child in data["children"]}
+
+
+def kill_and_take_port(supervisor_pid: int, child_pid: int, port: int) -> socket.socket:
+    """SIGKILL ``child_pid`` and bind a listening socket to its ``port`` before the
+    supervisor can restart it there: the supervisor (``pdserve up``) restarts a child 0.5 s
+    after its exit, which a loaded machine can let win, so it is paused (itself only, its
+    children run on) until the port is taken. The caller closes the socket."""
+    holder = socket.socket()
+    os.kill(supervisor_pid, signal.SIGSTOP)
+    try:
+        os.kill(child_pid, signal.SIGKILL)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 10
+        while True:  # the killed server's socket is gone once it exits
+            try:
+                holder.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    holder.close()
+                    raise AssertionError(f"port {port} never came free") from None
+                time.sleep(0.01)
+        holder.listen()
+        return holder
+    finally:
+        os.kill(supervisor_pid, signal.SIGCONT)
