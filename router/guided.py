@@ -27,28 +27,19 @@ class GuidedFields(Protocol):
     structured_outputs: dict[str, Any] | None
 
 
-# vLLM's ``structured_outputs`` keys this server honours; its other keys tune a backend's
-# grammar (whitespace, fallbacks) and would change the output silently if ignored.
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
 def guide_of(req: GuidedFields) -> tuple[str, str]:
     """``(kind, value)`` of the request's guide, ``("", "")`` for none.
 
     Raises ValueError (a 400 at the HTTP edge) when more than one guide is given or one is
     malformed in shape (empty regex, empty choice list, ``json_schema`` without a schema).
     """
-    guides: list[tuple[str, str]] = []
-    if req.guided_regex is not None:
-        guides.append(("regex", _non_empty(req.guided_regex, "guided_regex")))
-    if req.guided_choice is not None:
-        if not req.guided_choice or not all(req.guided_choice):
-            raise ValueError("guided_choice must be a non-empty list of non-empty strings")
-        guides.append(("choice", json.dumps(list(req.guided_choice))))
-    if req.guided_grammar is not None:
-        guides.append(("grammar", _non_empty(req.guided_grammar, "guided_grammar")))
-    if req.guided_json is not None:
-        guides.append(("json_schema", _schema_text(req.guided_json, "guided_json")))
+    fields = (
+        ("guided_regex", req.guided_regex, _regex),
+        ("guided_choice", req.guided_choice, _choice),
+        ("guided_grammar", req.guided_grammar, _grammar),
+        ("guided_json", req.guided_json, _json_schema),
+    )
+    guides = [build(value, name) for name, value, build in fields if value is not None]
     fmt = _response_format_guide(req.response_format)
     if fmt != NO_GUIDE:
         guides.append(fmt)
@@ -59,6 +50,30 @@ def guide_of(req: GuidedFields) -> tuple[str, str]:
             "a structured_outputs kind and a non-text response_format"
         )
     return guides[0] if guides else NO_GUIDE
+
+
+def _regex(value: Any, name: str) -> tuple[str, str]:
+    return ("regex", _non_empty(value, name))
+
+
+def _grammar(value: Any, name: str) -> tuple[str, str]:
+    return ("grammar", _non_empty(value, name))
+
+
+def _json_schema(value: Any, name: str) -> tuple[str, str]:
+    return ("json_schema", _schema_text(value, name))
+
+
+def _choice(value: Any, name: str) -> tuple[str, str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):  # fmt: skip
+        raise ValueError(f"{name} must be a non-empty list of non-empty strings")
+    return ("choice", json.dumps(value))
+
+
+# vLLM's ``structured_outputs``: its keys as the ``guided_*`` fields read them, and
+# ``json_object``. Its other keys tune a backend's grammar (whitespace, fallbacks) and
+# would change the output silently if ignored, so they are refused.
+STRUCTURED_KINDS = {"json": _json_schema, "regex": _regex, "choice": _choice, "grammar": _grammar}
 
 
 def _response_format_guide(fmt: dict[str, Any] | None) -> tuple[str, str]:
@@ -83,35 +98,22 @@ def _structured_guides(spec: dict[str, Any] | None) -> list[tuple[str, str]]:
     """The guides of vLLM's ``structured_outputs`` object (several: refused by the caller)."""
     if spec is None:
         return []
-    unknown = sorted(k for k, v in spec.items() if k not in STRUCTURED_KINDS and v not in (None, False))  # fmt: skip
+    kinds = (*STRUCTURED_KINDS, "json_object")
+    unknown = sorted(k for k, v in spec.items() if k not in kinds and v not in (None, False))
     if unknown:
         raise ValueError(
-            f"structured_outputs.{unknown[0]} is not supported; give one of "
-            + ", ".join(STRUCTURED_KINDS)
+            f"structured_outputs.{unknown[0]} is not supported; give one of " + ", ".join(kinds)
         )
-    guides: list[tuple[str, str]] = []
-    if spec.get("json") is not None:
-        guides.append(("json_schema", _schema_text(spec["json"], "structured_outputs.json")))
-    if spec.get("regex") is not None:
-        guides.append(("regex", _non_empty(_text(spec["regex"], "regex"), "structured_outputs.regex")))  # fmt: skip
-    if spec.get("choice") is not None:
-        choice = spec["choice"]
-        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):  # fmt: skip
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")  # fmt: skip
-        guides.append(("choice", json.dumps(choice)))
-    if spec.get("grammar") is not None:
-        guides.append(("grammar", _non_empty(_text(spec["grammar"], "grammar"), "structured_outputs.grammar")))  # fmt: skip
+    guides = [
+        build(spec[key], f"structured_outputs.{key}")
+        for key, build in STRUCTURED_KINDS.items()
+        if spec.get(key) is not None
+    ]
     if spec.get("json_object") is True:
         guides.append(("json_object", ""))
     if not guides:
-        raise ValueError("structured_outputs needs one of " + ", ".join(STRUCTURED_KINDS))
+        raise ValueError("structured_outputs needs one of " + ", ".join(kinds))
     return guides
-
-
-def _text(value: Any, key: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"structured_outputs.{key} must be a string")
-    return value
 
 
 def _schema_text(schema: Any, name: str) -> str:
@@ -126,7 +128,9 @@ def _schema_text(schema: Any, name: str) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
-def _non_empty(text: str, name: str) -> str:
+def _non_empty(text: Any, name: str) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string")
     if not text.strip():
         raise ValueError(f"{name} must not be empty")
     return text

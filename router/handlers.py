@@ -271,33 +271,33 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """SSE body. Errors after the first byte travel in-band as an OpenAI error event."""
     outcome = "cancelled"  # unless we get to the end
+    answered = False
     try:
-        event = fmt.chunk(first, _usage_now(fmt, usage, trace))
-        if event:
-            yield event
-        async for delta in run:
-            trace.on_delta(delta)
-            event = fmt.chunk(delta, _usage_now(fmt, usage, trace))
-            if event:  # empty while a tool-call parser holds the text back
+        try:
+            event = fmt.chunk(first, _usage_now(fmt, usage, trace))
+            if event:
                 yield event
-        if include_usage:
-            _fill_usage(usage, trace, timings)
-            yield fmt.usage_chunk(usage)
-        if fmt.done:
+            async for delta in run:
+                trace.on_delta(delta)
+                event = fmt.chunk(delta, _usage_now(fmt, usage, trace))
+                if event:  # empty while a tool-call parser holds the text back
+                    yield event
+            if include_usage:
+                _fill_usage(usage, trace, timings)
+                yield fmt.usage_chunk(usage)
+            answered = True
+        except APIError as exc:
+            outcome = outcome_of(exc)
+            logger.warning("stream %s failed: %s", fmt.request_id, exc.message)
+            yield fmt.error_event(exc)
+        except Exception as exc:
+            outcome = "error"
+            logger.exception("stream %s failed", fmt.request_id)
+            yield fmt.error_event(APIError(500, f"internal error: {type(exc).__name__}"))
+        if fmt.done:  # after the answer or its error event alike
             yield fmt.done
-        outcome = "success"
-    except APIError as exc:
-        outcome = outcome_of(exc)
-        logger.warning("stream %s failed: %s", fmt.request_id, exc.message)
-        yield fmt.error_event(exc)
-        if fmt.done:
-            yield fmt.done
-    except Exception as exc:
-        outcome = "error"
-        logger.exception("stream %s failed", fmt.request_id)
-        yield fmt.error_event(APIError(500, f"internal error: {type(exc).__name__}"))
-        if fmt.done:
-            yield fmt.done
+        if answered:
+            outcome = "success"
     finally:
         deps.active -= 1
         trace.finish(deps.metrics, outcome)

@@ -43,7 +43,6 @@ class ResponsesFormatter:
         self.tool_parser = tool_parser
         self._sequence = 0
         self._opened = False  # response.created sent
-        self._text_open = False  # the streamed message item and its text part are open
 
     def absorb(self, delta: Delta) -> tuple[ChoiceState, str]:
         self.state.text += delta.text
@@ -61,15 +60,11 @@ class ResponsesFormatter:
             shell = self._response("in_progress", [], None)
             out += [self._emit("response.created", response=shell),
                     self._emit("response.in_progress", response=shell)]  # fmt: skip
+            if self.tool_parser is None:  # the text streams into one message item
+                out += self._open_message(0)
         _, text = self.absorb(delta)
-        if self.tool_parser is None:
-            if not self._text_open:
-                self._text_open = True
-                out += self._open_message()
-            if text:
-                out.append(self._emit("response.output_text.delta", item_id=self.message_id,
-                                      output_index=0, content_index=0, delta=text,
-                                      logprobs=[]))  # fmt: skip
+        if self.tool_parser is None and text:
+            out.append(self._text_delta(0, text))
         return b"".join(out)
 
     def usage_chunk(self, usage: Usage) -> bytes:
@@ -77,7 +72,7 @@ class ResponsesFormatter:
         out: list[bytes] = []
         items = self._items()
         if self.tool_parser is None:
-            out += self._close_message(items[0])
+            out += self._close_message(0, items[0])
         else:
             for index, item in enumerate(items):
                 out += self._whole_item(index, item)
@@ -135,51 +130,43 @@ class ResponsesFormatter:
             "content": [_text_part(text)] if status != "in_progress" else [],
         }
 
-    def _open_message(self) -> list[bytes]:
+    def _open_message(self, index: int) -> list[bytes]:
+        """The message item (output ``index``) and its text part begin."""
+        ids = {"item_id": self.message_id, "output_index": index, "content_index": 0}
+        opened = self._message_item("", "in_progress")
         return [
-            self._emit("response.output_item.added", output_index=0,
-                       item=self._message_item("", "in_progress")),
-            self._emit("response.content_part.added", item_id=self.message_id, output_index=0,
-                       content_index=0, part=_text_part("")),
-        ]  # fmt: skip
+            self._emit("response.output_item.added", output_index=index, item=opened),
+            self._emit("response.content_part.added", **ids, part=_text_part("")),
+        ]
 
-    def _close_message(self, item: dict[str, Any]) -> list[bytes]:
+    def _text_delta(self, index: int, text: str) -> bytes:
+        return self._emit("response.output_text.delta", item_id=self.message_id,
+                          output_index=index, content_index=0, delta=text, logprobs=[])  # fmt: skip
+
+    def _close_message(self, index: int, item: dict[str, Any]) -> list[bytes]:
         part = item["content"][0]
-        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        ids = {"item_id": self.message_id, "output_index": index, "content_index": 0}
         return [
             self._emit("response.output_text.done", **ids, text=part["text"], logprobs=[]),
             self._emit("response.content_part.done", **ids, part=part),
-            self._emit("response.output_item.done", output_index=0, item=item),
+            self._emit("response.output_item.done", output_index=index, item=item),
         ]
 
     def _whole_item(self, index: int, item: dict[str, Any]) -> list[bytes]:
-        """An item sent at once (tools): added, its one delta, done."""
-        opened = item | {"status": "in_progress"}
+        """An item sent at once (tools): opened, its one delta, done."""
         if item["type"] == "message":
-            opened["content"] = []
-            out = [self._emit("response.output_item.added", output_index=index, item=opened)]
-            part = item["content"][0]
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out += [
-                self._emit("response.content_part.added", **ids, part=_text_part("")),
-                self._emit("response.output_text.delta", **ids, delta=part["text"], logprobs=[]),
-                self._emit("response.output_text.done", **ids, text=part["text"], logprobs=[]),
-                self._emit("response.content_part.done", **ids, part=part),
-            ]
-        else:
-            opened["arguments"] = ""
-            out = [self._emit("response.output_item.added", output_index=index, item=opened)]
-            ids = {"item_id": item["id"], "output_index": index}
-            out += [
-                self._emit(
-                    "response.function_call_arguments.delta", **ids, delta=item["arguments"]
-                ),  # fmt: skip
-                self._emit(
-                    "response.function_call_arguments.done", **ids, arguments=item["arguments"]
-                ),  # fmt: skip
-            ]
-        out.append(self._emit("response.output_item.done", output_index=index, item=item))
-        return out
+            text = item["content"][0]["text"]
+            return [*self._open_message(index), self._text_delta(index, text),
+                    *self._close_message(index, item)]  # fmt: skip
+        ids = {"item_id": item["id"], "output_index": index}
+        arguments = item["arguments"]
+        return [
+            self._emit("response.output_item.added", output_index=index,
+                       item=item | {"status": "in_progress", "arguments": ""}),
+            self._emit("response.function_call_arguments.delta", **ids, delta=arguments),
+            self._emit("response.function_call_arguments.done", **ids, arguments=arguments),
+            self._emit("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
 
     def _response(
         self, status: str, items: list[dict[str, Any]], usage: Usage | None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.stop_strings import stop_end
 from router.tokenizer import PromptProcessor
 
 _REPLACEMENT = "\ufffd"
@@ -36,12 +37,9 @@ class ResumedText:
         # Continue after what the client has. (If it saw a replacement character for a
         # character that has since completed, that position is not sent again.)
         start = len(self.emitted)
-        if self.stops:
-            hits = [(i, s) for i, s in ((full.find(s, start), s) for s in self.stops) if i >= 0]
-            if hits:
-                # The engines' rule (engine/core/detokenizer.py): the earliest, then longest.
-                at, found = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-                return self._emit(full, start, at + len(found) if self.include_stop else at), True
+        found = stop_end(full, self.stops, start, self.include_stop)
+        if found is not None:
+            return self._emit(full, start, found), True
         end = len(full)
         if not finished:
             if full.endswith(_REPLACEMENT):

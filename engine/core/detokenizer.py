@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.stop_strings import stop_end
+
 # Tokens of context decoded before the new ones when a stream starts from ``initial_ids``.
 _INITIAL_CONTEXT_TOKENS = 6
 # The window (context + new ids) slides forward once it is this long. Longer windows cost a
@@ -125,11 +127,10 @@ class IncrementalDetokenizer:
         text = self.text + pending if pending else self.text
         if stops:
             search_from = max(0, self.emitted - self.max_stop_len + 1)
-            hits = [(i, s) for i, s in ((text.find(s, search_from), s) for s in self.stop) if i >= 0]  # fmt: skip
-            if hits:
+            found = stop_end(text, self.stop, search_from, self.include_stop)
+            if found is not None:
                 self.stopped = True
-                at, found = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-                end = max(at + len(found) if self.include_stop else at, self.emitted)
+                end = max(found, self.emitted)
                 delta, self.emitted = text[self.emitted : end], end
                 return delta
         end = len(text)

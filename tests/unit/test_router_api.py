@@ -7,7 +7,6 @@ error body — never FastAPI's 422.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,48 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from router.app import create_app
-from router.discovery import StaticDiscovery
-from router.metrics import RouterMetrics
-from router.pool import InstancePool
-from router.settings import RouterSettings
-from router.tokenizer import PromptProcessor
-
-MODEL = "tiny"
-
-
-def build_app(model_dir: Path, **settings: Any) -> Any:
-    metrics = RouterMetrics()
-    pools = [
-        InstancePool(role, StaticDiscovery([]), metrics=metrics) for role in ("prefill", "decode")
-    ]
-    processor = PromptProcessor.from_model_dir(
-        model_dir, max_model_len=settings.pop("max_model_len", None)
-    )
-    cfg = RouterSettings(served_model_names=[MODEL], **settings)
-    return create_app(cfg, pools[0], pools[1], processor=processor, metrics=metrics)
-
-
-@pytest.fixture
-def client(tiny_model_dir: Path) -> Iterator[TestClient]:
-    with TestClient(build_app(tiny_model_dir, max_prompt_tokens=64, max_body_bytes=4096)) as c:
-        yield c
-
-
-def assert_error(resp: Any, status: int, param: str | None = None) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return dict(err)
-
-
-CHAT = "/v1/chat/completions"
-COMP = "/v1/completions"
+from tests.unit.router_app_support import CHAT, COMP, MODEL, assert_error, build_app
 
 
 @pytest.mark.parametrize(
@@ -225,56 +183,6 @@ def test_malformed_json_is_400(client: TestClient) -> None:
     )
     err = assert_error(resp, 400)
     assert "not valid JSON" in err["message"]
-
-
-@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "x"}}, "text"])
-def test_non_text_content_part_is_named(client: TestClient, part: object) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
-    err = assert_error(client.post(CHAT, json={"model": MODEL, "messages": messages}), 400)
-    assert "content part of type" in err["message"], err
-    assert "text-only" in err["message"], err
-
-
-def test_null_fields_mean_the_default(client: TestClient) -> None:
-    """OpenAI's schema makes these nullable; a client that sends every field sends nulls.
-    With no instances the valid body gets 503, an invalid one would be 400."""
-    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "logprobs": None,
-             "temperature": None, "stop": None, "seed": None, "max_tokens": None}  # fmt: skip
-    resp = client.post(COMP, json={"model": MODEL, "prompt": "x"} | nulls)
-    assert resp.status_code == 503, resp.text
-    chat = {"n": None, "logprobs": None, "stream": None, "tools": None, "tool_choice": None,
-            "response_format": None, "max_completion_tokens": None}  # fmt: skip
-    messages = [{"role": "user", "content": "x"}]
-    resp = client.post(CHAT, json={"model": MODEL, "messages": messages} | chat)
-    assert resp.status_code == 503, resp.text
-    err = assert_error(client.post(COMP, json={"model": None, "prompt": "x"}), 400, "model")
-    assert "required" in err["message"].lower(), err
-
-
-def test_chat_template_kwargs_reach_the_template(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) are template variables;
-    the router's own (``messages``, ``add_generation_prompt``) cannot be overridden."""
-    model_dir = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model_dir)
-    (model_dir / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m.content }}{% endfor %}"
-        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
-    )
-    body = {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}
-    with TestClient(build_app(model_dir)) as client:
-        plain = client.post("/tokenize", json=body).json()
-        off = client.post(
-            "/tokenize",
-            json=body | {"chat_template_kwargs": {"enable_thinking": False, "messages": []}},
-        ).json()
-    assert "no_think" not in "".join(plain["token_strs"])
-    assert "".join(off["token_strs"]) == "".join(plain["token_strs"]) + " /no_think"
-
-
-@pytest.mark.parametrize("keep", [0, -2])
-def test_bad_truncate_prompt_tokens_is_400(client: TestClient, keep: int) -> None:
-    resp = client.post(COMP, json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": keep})
-    assert_error(resp, 400)
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:

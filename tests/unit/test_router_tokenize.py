@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from router.tokenizer import PromptProcessor
-from tests.unit.test_router_api import MODEL, assert_error, build_app
+from tests.unit.router_app_support import MODEL, assert_error, build_app
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from router.settings import RouterSettings
 from router.tokenizer import ModelShape, PromptProcessor
 from router.tool_request import ToolDef, tool_guide
 from tests.service_fixtures import child_env
-from tests.unit.test_router_api import CHAT, COMP, MODEL, assert_error, build_app
+from tests.unit.router_app_support import CHAT, COMP, MODEL, assert_error, build_app
 
 TOOL = {
     "type": "function",
