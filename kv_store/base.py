@@ -12,12 +12,13 @@
   result of kind ``"release"``; ``release_held`` ends a hold early.
 - ``KVConnector``: one connector playing both roles, what ``kv_store.factory`` builds and
   the engine is given. The engine keeps it as its scheduler side and moves bytes through
-  its worker side, or, with N > 1 ranks, through ``across_ranks``: every rank runs a worker
-  built from ``rank_spec`` and rank 0 merges their results.
+  its worker side, or, with N > 1 ranks, through ``kv_store.factory.across_ranks``: every
+  rank runs a worker built from ``rank_spec`` and rank 0 merges their results.
 
-Behind the roles, and never imported here: the stores (``kv_store/backend.py`` and the
-block records), p2p leases and pulls (``kv_store/p2p/``) and the rank fan-out
-(``kv_store/tp_connector.py``, ``kv_store/tp_worker.py``: imported when first used).
+This module is pure: it imports no implementation. The stores (``kv_store/backend.py`` and
+the block records), p2p leases and pulls (``kv_store/p2p/``) and the rank fan-out
+(``kv_store/tp_connector.py``, ``kv_store/tp_worker.py``) are built by
+``kv_store/factory.py``, the one module that names them.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class KVConnectorScheduler(abc.ABC):
 # -- the worker side ------------------------------------------------------------------------
 class RankChannel(Protocol):
     """How rank 0 reaches the worker ranks 1..size-1: the engine's executor provides it
-    (``engine/kv/tp.py``), ``KVConnectorWorker.across_ranks`` uses it."""
+    (``engine/kv/tp.py``), ``kv_store.factory.across_ranks`` uses it."""
 
     size: int
 
@@ -211,16 +212,6 @@ class KVConnectorWorker(abc.ABC):
                 "per-rank records); use --connector fs, redis or p2p"
             )
 
-    def across_ranks(self, channel: RankChannel, timeout_s: float) -> KVConnectorWorker:
-        """Rank 0's worker when ``channel.size`` ranks each hold a shard of the cache: every
-        transfer reaches every rank's worker, in order with the steps, and is reported once
-        all have finished (docs/design.md §3, "KV with tensor parallelism"). Not yet bound;
-        ``timeout_s`` bounds the workers' binding."""
-        self.check_ranks(channel.size)
-        from kv_store.tp_connector import TPConnector  # the fan-out: loaded when used
-
-        return TPConnector(self, channel, timeout_s)
-
 
 class KVConnector(KVConnectorScheduler, KVConnectorWorker):
     """A connector playing both roles (what the factory builds; docs/design.md §3)."""
@@ -229,7 +220,8 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
 
 
 class RankWorker(Protocol):
-    """A worker rank's end of the messages rank 0's ``across_ranks`` worker sends."""
+    """A worker rank's end of the messages rank 0's ``across_ranks`` worker sends
+    (``kv_store.factory.rank_worker`` builds it)."""
 
     def handle(self, message: dict[str, Any], kv_cache: torch.Tensor) -> list[dict[str, Any]]:
         """Act on one message (bind, save, load, release, close); returns the messages to
@@ -241,12 +233,3 @@ class RankWorker(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def rank_worker(rank: int, host: str | None = None) -> RankWorker:
-    """The end of rank 0's KV messages that worker rank ``rank`` runs; it builds its own
-    connector from the ``rank_spec`` in the ``bind`` message (``kv_store/tp_worker.py``).
-    ``host``: this rank's own address, when it is not on rank 0's host (p2p serves there)."""
-    from kv_store.tp_worker import TPRankWorker  # the fan-out: loaded when used
-
-    return TPRankWorker(rank, host)

@@ -1,21 +1,42 @@
-"""Connector selection: the connector a ``KVStoreSettings`` describes (docs/design.md §3).
+"""Connector construction: the connector a ``KVStoreSettings`` describes, for each role
+(docs/design.md §3, "Connector"). ``kv_store/base.py`` is the interface and names no
+implementation; this module is the one place that does:
 
-The settings, their flags and ``PDSERVE_*`` twins are declared once in ``kv_store/args.py``
-(the table: docs/kv-store.md); this module builds from them.
+- ``build_connector``: rank 0's connector, playing both roles (what the engine is given);
+- ``across_ranks``: rank 0's worker side when N > 1 ranks each hold a shard of the cache;
+- ``rank_worker``: a worker rank's end of rank 0's KV messages, which builds that rank's
+  own connector with ``build_worker_connector``.
+
+A store kind (``--connector`` / ``--kv-store``) maps to its builder in ``STORE_BUILDERS``;
+a new kind is one builder and one entry there. The settings, their flags and ``PDSERVE_*``
+twins are declared once in ``kv_store/args.py`` (the table: docs/kv-store.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from common.sizes import parse_bytes
 from kv_store.args import CONNECTORS, STORES, KVStoreSettings, add_cli_arguments
-from kv_store.base import KVConnector
+from kv_store.base import KVConnector, KVConnectorWorker, RankChannel, RankWorker
 from kv_store.record_mac import record_mac
 
 # Re-exported: the settings model, its flags and the byte-size rule of --kv-capacity.
-__all__ = ["CONNECTORS", "STORES", "KVStoreSettings", "add_cli_arguments", "parse_bytes"]
+__all__ = [
+    "CONNECTORS",
+    "STORES",
+    "STORE_BUILDERS",
+    "KVStoreSettings",
+    "across_ranks",
+    "add_cli_arguments",
+    "build_connector",
+    "build_worker_connector",
+    "parse_bytes",
+    "rank_worker",
+]
 
 
 def build_connector(settings: KVStoreSettings, host: str = "127.0.0.1") -> KVConnector | None:
@@ -42,6 +63,29 @@ def build_worker_connector(spec: dict[str, Any], rank: int) -> KVConnector:
     return connector
 
 
+def across_ranks(
+    worker: KVConnectorWorker, channel: RankChannel, timeout_s: float
+) -> KVConnectorWorker:
+    """Rank 0's worker when ``channel.size`` ranks each hold a shard of the cache: every
+    transfer reaches every rank's worker, in order with the steps, and is reported once
+    all have finished (docs/design.md §3, "KV with tensor parallelism"). Not yet bound;
+    ``timeout_s`` bounds the workers' binding. ``ValueError`` when ``worker`` cannot run
+    per rank (``check_ranks``)."""
+    worker.check_ranks(channel.size)
+    from kv_store.tp_connector import TPConnector  # the fan-out: loaded when used
+
+    return TPConnector(worker, channel, timeout_s)
+
+
+def rank_worker(rank: int, host: str | None = None) -> RankWorker:
+    """The end of rank 0's KV messages that worker rank ``rank`` runs; it builds its own
+    connector from the ``rank_spec`` in the ``bind`` message (``kv_store/tp_worker.py``).
+    ``host``: this rank's own address, when it is not on rank 0's host (p2p serves there)."""
+    from kv_store.tp_worker import TPRankWorker  # the fan-out: loaded when used
+
+    return TPRankWorker(rank, build_worker_connector, host)
+
+
 def _build(settings: KVStoreSettings, host: str) -> KVConnector | None:
     settings.validate()
     if settings.connector == "p2p":
@@ -64,28 +108,45 @@ def _build(settings: KVStoreSettings, host: str) -> KVConnector | None:
 
 
 def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:
-    ttl = settings.kv_ttl or None
-    cap = settings.kv_capacity or None
     if kind == "none":
         return None
-    if kind == "fs":
-        from kv_store.block_connector import BlockStoreConnector
-        from kv_store.fs_backend import FsBackend
+    return STORE_BUILDERS[kind](settings)
 
-        assert settings.kv_path is not None
-        fs = FsBackend(
-            settings.kv_path, ttl_s=ttl, capacity_bytes=cap, key_prefix=settings.key_prefix
-        )
-        return BlockStoreConnector(fs, name="fs", mac=record_mac(settings.kv_secret))
-    if kind == "redis":
-        from kv_store.block_connector import BlockStoreConnector
-        from kv_store.redis_backend import RedisBackend
 
-        assert settings.redis_url is not None
-        rb = RedisBackend(settings.redis_url, ttl_s=ttl, key_prefix=settings.key_prefix)
-        rb.ping()  # fail loudly at start rather than on the first request
-        return BlockStoreConnector(rb, name="redis", mac=record_mac(settings.kv_secret))
+def _fs(settings: KVStoreSettings) -> KVConnector:
+    from kv_store.block_connector import BlockStoreConnector
+    from kv_store.fs_backend import FsBackend
+
+    assert settings.kv_path is not None
+    fs = FsBackend(
+        settings.kv_path,
+        ttl_s=settings.kv_ttl or None,
+        capacity_bytes=settings.kv_capacity or None,
+        key_prefix=settings.key_prefix,
+    )
+    return BlockStoreConnector(fs, name="fs", mac=record_mac(settings.kv_secret))
+
+
+def _redis(settings: KVStoreSettings) -> KVConnector:
+    from kv_store.block_connector import BlockStoreConnector
+    from kv_store.redis_backend import RedisBackend
+
+    assert settings.redis_url is not None
+    rb = RedisBackend(
+        settings.redis_url, ttl_s=settings.kv_ttl or None, key_prefix=settings.key_prefix
+    )
+    rb.ping()  # fail loudly at start rather than on the first request
+    return BlockStoreConnector(rb, name="redis", mac=record_mac(settings.kv_secret))
+
+
+def _lmcache(settings: KVStoreSettings) -> KVConnector:
     from kv_store.lmcache_connector import LMCacheConnector
 
     assert settings.lmcache_url is not None
-    return LMCacheConnector(settings.lmcache_url, local_cpu_bytes=cap)
+    return LMCacheConnector(settings.lmcache_url, local_cpu_bytes=settings.kv_capacity or None)
+
+
+# The registry: each store kind's builder (validated settings in, a connector out).
+STORE_BUILDERS: Mapping[str, Callable[[KVStoreSettings], KVConnector]] = MappingProxyType(
+    {"fs": _fs, "redis": _redis, "lmcache": _lmcache}
+)

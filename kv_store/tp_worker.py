@@ -12,6 +12,7 @@ then moves this rank's shard only, and a p2p load pulls from the same rank of th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kv_store.base import KVConnector, KvLayout, TransferResult
@@ -26,8 +27,16 @@ logger = logging.getLogger(__name__)
 class TPRankWorker:
     """Rank ``rank``'s connector, built at ``bind``; see the module docstring."""
 
-    def __init__(self, rank: int, host: str | None = None) -> None:
-        self.rank = rank
+    def __init__(
+        self,
+        rank: int,
+        build: Callable[[dict[str, Any], int], KVConnector],
+        host: str | None = None,
+    ) -> None:
+        """``build``: how this rank makes its connector from rank 0's ``rank_spec``
+        (``kv_store.factory.build_worker_connector``, handed in so that this module never
+        imports the factory that imports it)."""
+        self.rank, self.build = rank, build
         self.host = host  # this rank's own address (another host than rank 0's), or None
         self.connector: KVConnector | None = None
 
@@ -64,14 +73,12 @@ class TPRankWorker:
         return []
 
     def _bind(self, msg: dict[str, Any], kv: torch.Tensor) -> dict[str, Any]:
-        from kv_store.factory import build_worker_connector
-
         try:
             spec = msg["spec"]
             if self.host:  # a pipeline stage on another host serves its pulls there
                 settings = dict(spec["settings"], p2p_host=self.host)
                 spec = dict(spec, host=self.host, settings=settings)
-            connector = build_worker_connector(spec, self.rank)
+            connector = self.build(spec, self.rank)
             layout = KvLayout(
                 int(msg["layout"]["version"]),
                 str(msg["layout"]["dtype"]),

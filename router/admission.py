@@ -15,7 +15,7 @@ from router.tool_request import ToolDef
 from router.tool_template import template_inputs
 
 if TYPE_CHECKING:
-    from router.handlers import Deps
+    from router.deps import Deps
 
 
 def chat_text(

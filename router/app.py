@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.version import installed_version
+from router.deps import Deps
 from router.errors import APIError, error_body, install_error_handlers
 from router.estimator import AutoEstimator
-from router.handlers import Deps, handle_generation, outcome_of
+from router.handlers import handle_generation, outcome_of
 from router.lora import adapter_cards
 from router.lora_admin import add_lora_admin_routes
 from router.metrics import RouterMetrics

@@ -12,15 +12,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.admission import check_fits, check_prompt, prompts_of
+from router.deps import Deps
 from router.errors import APIError, bad_request
-from router.lora import routing_root, served_adapters
-from router.metrics import RouterMetrics
+from router.lora import routing_root
 from router.orchestrator import Orchestrator, merge_streams
 from router.protocol import (
     ChatCompletionRequest,
@@ -30,8 +29,6 @@ from router.protocol import (
     completion_params,
 )
 from router.responses import AnswerFormat, Formatter, Usage
-from router.settings import RouterSettings
-from router.tokenizer import PromptProcessor
 from router.tool_parsers import ToolParser
 from router.tool_request import request_parser
 from router.trace import Delta, Job, Trace
@@ -51,28 +48,6 @@ _OUTCOME_BY_STATUS = {
 
 def outcome_of(exc: APIError) -> str:
     return _OUTCOME_BY_STATUS.get(exc.status, "error")
-
-
-@dataclass(slots=True)
-class Deps:
-    """What the handlers use, kept on ``app.state.deps``."""
-
-    settings: RouterSettings
-    processor: PromptProcessor
-    orchestrator: Orchestrator
-    metrics: RouterMetrics
-    # Bounds the requests templated/tokenized on worker threads at once (``_prompts_of``).
-    preprocess: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
-    active: int = 0
-
-    @property
-    def model_name(self) -> str:
-        return self.settings.served_model_names[0]
-
-    def adapters(self) -> set[str]:
-        """LoRA adapters the healthy instances serve (router/lora.py)."""
-        orch = self.orchestrator
-        return served_adapters([*orch.prefill_pool.instances(), *orch.decode_pool.instances()])
 
 
 async def _admit(

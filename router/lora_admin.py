@@ -23,7 +23,7 @@ from pdserve_api.v1 import pdserve_pb2
 from router.errors import APIError
 
 if TYPE_CHECKING:
-    from router.handlers import Deps
+    from router.deps import Deps
     from router.pool import Instance, InstancePool
 
 logger = logging.getLogger(__name__)

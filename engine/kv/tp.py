@@ -1,7 +1,7 @@
 """The engine's side of KV with tensor parallelism (docs/design.md §3, "KV with tensor
 parallelism"): how KV messages travel between the ranks. What they say, how a worker rank
 builds its connector and how the ranks' results merge is the connector's
-(``KVConnectorWorker.across_ranks`` on rank 0, ``rank_worker`` on the others).
+(``kv_store.factory.across_ranks`` on rank 0, ``rank_worker`` on the others).
 
 Rank 0 → workers: a KV message is a step header of op ``OP_KV`` followed by its JSON on
 each worker's stdin (``MultiprocExecutor.send_kv``), so it reaches a worker in order with
@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.tp_group import timedelta
-from kv_store.base import KVConnectorWorker, rank_worker
+from kv_store.base import KVConnectorWorker
+from kv_store.factory import across_ranks as fan_out
+from kv_store.factory import rank_worker
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def across_ranks(connector: KVConnectorWorker, executor: object) -> KVConnectorW
     """Rank 0's worker side of a tensor-parallel engine (not yet bound); ``executor`` is its
     ``MultiprocExecutor``."""
     assert isinstance(executor, WorkerPipes)
-    return connector.across_ranks(ExecutorChannel(executor), executor.timeout_s)
+    return fan_out(connector, ExecutorChannel(executor), executor.timeout_s)
 
 
 class WorkerKV:

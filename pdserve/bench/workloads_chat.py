@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdserve.bench.workloads import LengthRange, Prompt, TextCodec, WorkloadSpec
+from pdserve.bench.workload_spec import LengthRange, Prompt, TextCodec, WorkloadSpec, random_text
 
 
 def chat_prompts(
@@ -34,8 +32,6 @@ def chat_prompts(
     in_range: LengthRange,
     out_range: LengthRange,
 ) -> list[Prompt]:
-    from pdserve.bench.workloads import Prompt, random_text
-
     if spec.num_turns < 1:
         raise ValueError(f"chat workload needs num_turns >= 1, got {spec.num_turns}")
     systems = [random_text(codec, spec.prefix_len, rng)[0] for _ in range(spec.num_prefixes)]

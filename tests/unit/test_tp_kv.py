@@ -18,9 +18,9 @@ from common.block_hash import compute_block_hashes
 from engine.config import EngineConfig
 from engine.kv.fingerprint import model_fingerprint, tensor_parallel_size_of
 from engine.llm_engine import LLMEngine
-from kv_store.base import KvLayout, KVTransfer, TransferResult, rank_worker
+from kv_store.base import KvLayout, KVTransfer, TransferResult
 from kv_store.block_connector import BlockStoreConnector
-from kv_store.factory import KVStoreSettings, build_connector
+from kv_store.factory import KVStoreSettings, across_ranks, build_connector, rank_worker
 from kv_store.fs_backend import FsBackend
 from kv_store.keys import block_keys
 from kv_store.tp_connector import (
@@ -130,7 +130,7 @@ class Ranks:
         assert built is not None
         self.connector, self.cache0 = built, _cache(seeds[0])
         self.channel = LoopbackRanks(_cache(seeds[1]))
-        self.fanout = built.across_ranks(self.channel, timeout_s=10.0)
+        self.fanout = across_ranks(built, self.channel, timeout_s=10.0)
         self.fanout.bind_kv_cache(self.cache0, LAYOUT, FINGERPRINT)
 
     def finished(self, timeout_s: float = 20.0) -> TransferResult:
