@@ -7,7 +7,7 @@ The token travels in plaintext: it keeps out callers that can reach the port but
 know it (another tenant of the cluster network), not an eavesdropper on that network.
 
 Torch-free and gRPC-free: the service interceptor (``engine_service/auth.py``) and the
-router's calls (``router/pool.py``) share this.
+router's calls (``router/routing/pool.py``) share this.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where a stop string ends a text: one rule for the engines' detokenizer
-(engine/core/detokenizer.py) and the router's text after a failover (router/resume_text.py),
+(engine/core/detokenizer.py) and the router's text after a failover (router/legs/resume_text.py),
 so a resumed stream stops where the lost instance would have."""
 
 from __future__ import annotations

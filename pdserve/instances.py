@@ -2,7 +2,7 @@
 
 `pdserve up` writes ``instances.json`` in the run's directory (``{"prefill": [...],
 "decode": [...]}``) and starts the router with ``--discovery file`` on it
-(``router/discovery_file.py``). When a service is to be restarted and its gRPC or metrics
+(``router/discovery/file.py``). When a service is to be restarted and its gRPC or metrics
 port is held by another process, the supervisor calls :meth:`InstanceTable.move`: new
 ports, the child's argv and health probe rewritten, and the file rewritten atomically, so
 the router drops the old address and checks the new one within a second

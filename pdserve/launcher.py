@@ -57,7 +57,7 @@ from pdserve.up_args import add_up_arguments
 from pdserve.up_store import store_flags
 from pdserve.workdir import make_workdir, remove_stale_workdirs
 from router.args import RouterArgs
-from router.tool_flags import check_tool_flags
+from router.tools.flags import check_tool_flags
 
 logger = logging.getLogger(__name__)
 

@@ -19,23 +19,23 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.version import installed_version
-from router.deps import Deps
 from router.errors import APIError, error_body, install_error_handlers
-from router.estimator import AutoEstimator
-from router.handlers import handle_generation, outcome_of
+from router.legs.orchestrator import Orchestrator
+from router.legs.rpc import LegContext
+from router.legs.trace import Trace
 from router.lora import adapter_cards
-from router.lora_admin import add_lora_admin_routes
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.pool import InstancePool
-from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.responses_api import ResponsesRequest
-from router.responses_format import ResponsesFormatter
-from router.rpc import LegContext
+from router.openai.deps import Deps
+from router.openai.handlers import handle_generation, outcome_of
+from router.openai.lora_admin import add_lora_admin_routes
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.responses_api import ResponsesRequest
+from router.openai.responses_format import ResponsesFormatter
+from router.openai.tokenize_api import add_tokenize_routes
+from router.routing.estimator import AutoEstimator
+from router.routing.pool import InstancePool
 from router.settings import RouterSettings
-from router.tokenize_api import add_tokenize_routes
 from router.tokenizer import PromptProcessor
-from router.trace import Trace
 
 logger = logging.getLogger(__name__)
 

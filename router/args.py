@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from common.flags import non_negative_int, positive_int
 from common.settings import ArgsModel, setting
-from router.policies import POLICY_NAMES
-from router.tool_parsers import PARSERS
+from router.routing.policies import POLICY_NAMES
+from router.tools.parsers import PARSERS
 
 
 def positive_float(text: str) -> float:

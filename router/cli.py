@@ -21,11 +21,11 @@ from router.discovery import (
     InstanceDiscovery,
     StaticDiscovery,
 )
-from router.discovery_file import FileDiscovery
+from router.discovery.file import FileDiscovery
 from router.http_deadline import header_deadline_protocol
-from router.kv_index import TierWeights
 from router.metrics import RouterMetrics
-from router.pool import InstancePool
+from router.routing.kv_index import TierWeights
+from router.routing.pool import InstancePool
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
 

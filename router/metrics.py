@@ -169,7 +169,7 @@ class RouterMetrics:
             self.pool_fallbacks.labels(reason)
 
     def _add_kv_index_metrics(self, r: CollectorRegistry) -> None:
-        # The global block index (router/kv_index.py, docs/design.md §5).
+        # The global block index (router/routing/kv_index.py, docs/design.md §5).
         self.kv_index_blocks = Gauge(
             "pdserve_kv_index_blocks",
             "Distinct KV blocks the router's event index knows held, per pool",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.tool_parsers import parser_class
+from router.tools.parsers import parser_class
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class RouterSettings:
     stream_idle_timeout: float = 30.0
     max_concurrent_requests: int = 0
     max_batch_prompts: int = 64
-    # Tool calling (router/tool_request.py): "auto" needs both, as in vLLM.
+    # Tool calling (router/tools/request.py): "auto" needs both, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     max_chat_messages: int = 1024
@@ -39,8 +39,8 @@ class RouterSettings:
     header_read_timeout: float = 10.0
     max_connections: int = 4096
     preprocess_concurrency: int = 4
-    allow_runtime_lora_updating: bool = False  # router/lora_admin.py
-    decode_first: bool = True  # router/placement.py
+    allow_runtime_lora_updating: bool = False  # router/openai/lora_admin.py
+    decode_first: bool = True  # router/legs/placement.py
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

@@ -110,7 +110,7 @@ class PromptProcessor:
         eos = special_tokens.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
         self._template = None
-        # Names the template reads (e.g. whether it renders ``tools``; router/tool_template.py).
+        # Names the template reads (e.g. whether it renders ``tools``; router/tools/template.py).
         self.template_variables: frozenset[str] = frozenset()
         if chat_template:
             env = ImmutableSandboxedEnvironment(

@@ -19,7 +19,7 @@ import uvicorn
 
 from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.cli import add_router_arguments, build_app
-from router.kv_index import KvBlockIndex
+from router.routing.kv_index import KvBlockIndex
 from tests.servers import free_port
 from tests.service_fixtures import ServiceProcess
 

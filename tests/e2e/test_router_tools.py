@@ -2,7 +2,7 @@
 prefill + decode processes (fs connector), one router per mode (disaggregated, colocated,
 auto) run with ``--enable-auto-tool-choice --tool-call-parser hermes``, and the official
 ``openai`` client. SmolLM2's template does not render tools, so these also cover the
-Hermes system-prompt convention (router/tool_template.py)."""
+Hermes system-prompt convention (router/tools/template.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any
 from router.app import create_app
 from router.discovery import StaticDiscovery
 from router.metrics import RouterMetrics
-from router.pool import InstancePool
+from router.routing.pool import InstancePool
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.discovery_file import FileDiscovery
+from router.discovery.file import FileDiscovery
 
 
 def _write(path: Path, data: object, bump: int) -> None:

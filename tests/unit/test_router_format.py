@@ -12,11 +12,11 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from router.legs.trace import Delta, TokenLogprob
 from router.metrics import RouterMetrics
-from router.protocol import SEED_SPACE, CompletionRequest, GenParams, completion_params
-from router.responses import DONE, Formatter, Usage, sse
+from router.openai.answer import DONE, Formatter, Usage, sse
+from router.openai.protocol import SEED_SPACE, CompletionRequest, GenParams, completion_params
 from router.tokenizer import PromptProcessor
-from router.trace import Delta, TokenLogprob
 
 REPO = Path(__file__).resolve().parents[2]
 

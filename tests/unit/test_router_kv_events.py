@@ -1,4 +1,4 @@
-"""The router's KV event subscriber (router/kv_events_client.py) against a real gRPC server
+"""The router's KV event subscriber (router/routing/kv_events.py) against a real gRPC server
 that plays scripted streams: what the engines never do on purpose (skip a seq, change the
 epoch without a snapshot, start without one, answer UNIMPLEMENTED) is scripted here, over
 real gRPC, and the index must resynchronise from a new subscription's snapshot each time.
@@ -16,9 +16,9 @@ import pytest
 
 from common.block_hash import compute_block_hashes
 from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
-from router.kv_events_client import KvEventFeeds, KvEventSubscriber
-from router.kv_index import KvBlockIndex
 from router.metrics import RouterMetrics
+from router.routing.kv_events import KvEventFeeds, KvEventSubscriber
+from router.routing.kv_index import KvBlockIndex
 
 Ev = pdserve_pb2.KvBlockEvent
 PROMPT = compute_block_hashes(list(range(64)), 4)  # 16 blocks

@@ -1,4 +1,4 @@
-"""The router's global block index (router/kv_index.py) fed with KvEventBatch messages:
+"""The router's global block index (router/routing/kv_index.py) fed with KvEventBatch messages:
 snapshots, stores and removals per tier, epochs, the leading-run match, the memory bound."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 
 from common.block_hash import compute_block_hashes
 from pdserve_api.v1 import pdserve_pb2
-from router.kv_index import DEVICE, HOST, STORE, KvBlockIndex, TierWeights
-from router.policies import PrefixAwarePolicy, RouteContext
-from router.prefix_index import PrefixIndex
-from router.prefix_match import PrefixMatcher
+from router.routing.kv_index import DEVICE, HOST, STORE, KvBlockIndex, TierWeights
+from router.routing.policies import PrefixAwarePolicy, RouteContext
+from router.routing.prefix_index import PrefixIndex
+from router.routing.prefix_match import PrefixMatcher
 
 Ev = pdserve_pb2.KvBlockEvent
 

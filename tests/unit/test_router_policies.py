@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from common.block_hash import compute_block_hashes
-from router.estimator import AutoEstimator, SideLoad
-from router.kv_index import KvBlockIndex
-from router.policies import (
+from router.routing.estimator import AutoEstimator, SideLoad
+from router.routing.kv_index import KvBlockIndex
+from router.routing.policies import (
     LeastLoadPolicy,
     PrefixAwarePolicy,
     RoundRobinPolicy,
@@ -18,8 +18,8 @@ from router.policies import (
     SessionPolicy,
     make_policy,
 )
-from router.prefix_index import PrefixIndex
-from router.prefix_match import PrefixMatcher
+from router.routing.prefix_index import PrefixIndex
+from router.routing.prefix_match import PrefixMatcher
 
 
 def guess_matcher(index: PrefixIndex) -> PrefixMatcher:

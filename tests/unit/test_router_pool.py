@@ -11,8 +11,8 @@ import pytest
 
 from router.discovery import DnsDiscovery
 from router.metrics import RouterMetrics
-from router.policies import RouteContext
-from router.pool import InstancePool
+from router.routing.policies import RouteContext
+from router.routing.pool import InstancePool
 
 
 def closed_port() -> int:
@@ -74,12 +74,12 @@ def test_pool_rejects_bad_arguments() -> None:
 
 
 def test_one_late_check_is_forgiven_two_in_a_row_or_a_refusal_are_not() -> None:
-    """The rule router/pool.py's docstring states (an abort storm delayed one answer and
+    """The rule router/routing/pool.py's docstring states (an abort storm delayed one answer and
     the instance was taken out; tests/e2e/test_router_abort_storm.py is the live case)."""
     import grpc
     from grpc.aio import AioRpcError, Metadata
 
-    from router.pool import Instance, _forgiven
+    from router.routing.pool import Instance, _forgiven
 
     def error(code: grpc.StatusCode) -> AioRpcError:
         return AioRpcError(code, Metadata(), Metadata(), code.name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.resume_text import ResumedText
+from router.legs.resume_text import ResumedText
 from router.tokenizer import PromptProcessor
 
 

@@ -1,4 +1,4 @@
-"""``router.stream_watch.StreamWatch``: cancels a decode call when its instance is lost or
+"""``router.legs.stream_watch.StreamWatch``: cancels a decode call when its instance is lost or
 no chunk came within the idle deadline; tells its own cancellation, and a channel closed
 under the call, from the reader's."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from router.pool import Instance
-from router.stream_watch import StreamWatch
+from router.legs.stream_watch import StreamWatch
+from router.routing.pool import Instance
 
 
 class FakeCall:

@@ -1,4 +1,4 @@
-"""vLLM's ``/tokenize`` and ``/detokenize`` on the router (router/tokenize_api.py): the
+"""vLLM's ``/tokenize`` and ``/detokenize`` on the router (router/openai/tokenize_api.py): the
 served model's tokenizer and chat template, no engine; OpenAI error bodies on bad input."""
 
 from __future__ import annotations

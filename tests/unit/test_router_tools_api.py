@@ -15,11 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.procs import free_ports
-from router.admission import chat_text
-from router.protocol import ChatMessage
+from router.openai.admission import chat_text
+from router.openai.protocol import ChatMessage
 from router.settings import RouterSettings
 from router.tokenizer import ModelShape, PromptProcessor
-from router.tool_request import ToolDef, tool_guide
+from router.tools.request import ToolDef, tool_guide
 from tests.service_fixtures import child_env
 from tests.unit.router_app_support import CHAT, COMP, MODEL, assert_error, build_app
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from router.tool_parsers import PARSERS, ToolParser, parser_class
-from router.tool_parsers.forced import NamedParser, RequiredParser
-from router.tool_parsers.json_scan import Malformed, scan_object
-from router.tool_parsers.stream import ToolCallStream, final_message
+from router.tools.parsers import PARSERS, ToolParser, parser_class
+from router.tools.parsers.forced import NamedParser, RequiredParser
+from router.tools.parsers.json_scan import Malformed, scan_object
+from router.tools.parsers.stream import ToolCallStream, final_message
 
 # (parser, model output, expected content, expected [(name, arguments object)])
 SMOLLM2_ANSWERS = [

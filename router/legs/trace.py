@@ -1,0 +1,136 @@
+"""Per-request bookkeeping: what a request is, the deltas it yields, and its timings.
+
+A :class:`Job` is the validated, tokenized request the orchestrator runs; a
+:class:`Trace` collects its phase timings and token timestamps and turns them into
+metrics once, when the request ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.metrics import PHASES, RouterMetrics
+from router.openai.protocol import GenParams
+from router.routing.policies import RouteNote
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one choice: tokens, their text, optional logprobs, and the finish."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, if asked
+
+
+@dataclass(slots=True)
+class Job:
+    """A request ready to run: prompt ids, their block hashes, sampling, and its deadline."""
+
+    request_id: str
+    prompt_ids: list[int]
+    block_hashes: list[bytes]
+    params: GenParams
+    max_tokens: int
+    n: int = 1
+    user: str | None = None
+    deadline: float = float("inf")  # time.monotonic() by which the request must be done
+    lora_name: str | None = None  # the LoRA adapter ``model`` named (None: the base model)
+    # Placement chose this decode instance (decode-first, auto mode's local pick); the
+    # choices' first ``Decode`` goes there while it is healthy (router/legs/placement.py).
+    decode_pin: str | None = None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclass(slots=True)
+class Trace:
+    """Timings of one request; ``finish`` records them into the metrics once."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+    first_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    itl_samples: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_instance: str | None = None
+    decode_instances: list[str] = field(default_factory=list)
+    decision: str | None = None
+    # How the request was placed and routed (docs/router.md "Routing on held blocks"):
+    # the placement's inputs (auto's estimate, the decode-first holder) and every
+    # instance choice with its reason and prefix hit. ``pdserve_timings`` returns it.
+    placement: dict[str, Any] = field(default_factory=dict)
+    routes: list[dict[str, Any]] = field(default_factory=list)
+    _done: bool = False
+
+    def note_route(self, pool: str, instance: str, note: RouteNote | None, blocks: int) -> None:
+        """Record one instance choice: the pool, the instance and why (``RouteNote``)."""
+        entry: dict[str, Any] = {"pool": pool, "instance": instance, "prompt_blocks": blocks}
+        if note is not None:
+            entry["reason"] = note.reason
+            if note.match is not None:
+                entry.update(note.match.as_dict())
+            if note.score is not None:
+                entry["score"] = round(note.score, 3)
+        self.routes.append(entry)
+
+    def route_info(self) -> dict[str, Any]:
+        """The ``pdserve_route`` usage field: decision, placement inputs, choices."""
+        return {"decision": self.decision, **self.placement, "choices": self.routes}
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + max(0.0, seconds)
+
+    def on_delta(self, delta: Delta) -> None:
+        now = time.perf_counter()
+        count = len(delta.token_ids)
+        self.completion_tokens += count
+        if count == 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        prev = self.last_token_at.get(delta.index)
+        if prev is not None:
+            self.itl_samples.append((now - prev) / count)
+        self.last_token_at[delta.index] = now
+
+    def timings(self) -> dict[str, float]:
+        """Phase → seconds, plus ttft and e2e so far (the ``pdserve_timings`` usage field)."""
+        out = {name: round(self.phases.get(name, 0.0), 6) for name in PHASES}
+        if self.first_token_at is not None:
+            out["ttft"] = round(self.first_token_at - self.arrival, 6)
+        out["e2e"] = round(time.perf_counter() - self.arrival, 6)
+        return out
+
+    def finish(self, metrics: RouterMetrics, outcome: str) -> None:
+        """Record the request's outcome and, for successes, its latencies (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        metrics.requests.labels(outcome).inc()
+        if outcome != "success":
+            return
+        end = time.perf_counter()
+        metrics.e2e.observe(end - self.arrival)
+        for name, seconds in self.phases.items():
+            metrics.observe_phase(name, seconds)
+        if self.first_token_at is not None:
+            metrics.ttft.observe(self.first_token_at - self.arrival)
+            if self.completion_tokens > 1:
+                metrics.tpot.observe((end - self.first_token_at) / (self.completion_tokens - 1))
+        for sample in self.itl_samples:
+            metrics.itl.observe(sample)

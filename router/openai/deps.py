@@ -1,0 +1,36 @@
+"""What the request handlers use, built once per app and kept on ``app.state.deps``
+(``router/app.py`` builds it; ``router/openai/handlers.py``, ``router/openai/admission.py`` and the LoRA
+admin endpoints read it)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from router.legs.orchestrator import Orchestrator
+from router.lora import served_adapters
+from router.metrics import RouterMetrics
+from router.settings import RouterSettings
+from router.tokenizer import PromptProcessor
+
+
+@dataclass(slots=True)
+class Deps:
+    """What the handlers use, kept on ``app.state.deps``."""
+
+    settings: RouterSettings
+    processor: PromptProcessor
+    orchestrator: Orchestrator
+    metrics: RouterMetrics
+    # Bounds the requests templated/tokenized on worker threads at once (``_prompts_of``).
+    preprocess: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
+    active: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def adapters(self) -> set[str]:
+        """LoRA adapters the healthy instances serve (router/lora.py)."""
+        orch = self.orchestrator
+        return served_adapters([*orch.prefill_pool.instances(), *orch.decode_pool.instances()])
