@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.legs.params import GenParams
 from router.metrics import PHASES, RouterMetrics
-from router.openai.protocol import GenParams
 from router.routing.policies import RouteNote
 
 

@@ -25,7 +25,6 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import bad_request
-from router.settings import RouterSettings
 from router.tools.parsers import ToolParser, parser_class
 from router.tools.parsers.forced import NamedParser, RequiredParser
 
@@ -171,7 +170,18 @@ def parser_for(req: ToolFields, configured: str | None) -> ToolParser | None:
     return None
 
 
-def request_parser(req: ToolFields, settings: RouterSettings) -> ToolParser | None:
+class ServerToolFlags(Protocol):
+    """The server's tool-calling flags (``RouterSettings`` has them; typed here so that
+    tool calling sits below the router's settings)."""
+
+    @property
+    def enable_auto_tool_choice(self) -> bool: ...
+
+    @property
+    def tool_call_parser(self) -> str | None: ...
+
+
+def request_parser(req: ToolFields, settings: ServerToolFlags) -> ToolParser | None:
     """:func:`parser_for` with the server's flags; a 400 for ``auto`` on a server without
     ``--enable-auto-tool-choice``."""
     configured = settings.tool_call_parser if settings.enable_auto_tool_choice else None

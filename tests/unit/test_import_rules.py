@@ -17,6 +17,9 @@ else ``a.b``); the parent packages Python also runs on import are not edges. The
 3. Inside ``engine``, the subpackages are layered in the order of ``ENGINE_LAYERS``
    (bottom first): a subpackage imports only itself and those before it, never the
    engine's top-level modules (the loop and its front ends, which may import any).
+   Inside ``router`` likewise in the order of ``ROUTER_LAYERS``: its shared top-level
+   modules, then the subpackages tools, discovery, routing, legs, openai; the front
+   (app, cli, args) may import any.
 4. No import cycles among the modules of any package (tests excluded): every module of a
    package can be read after those it imports.
 """
@@ -68,6 +71,22 @@ ENGINE_LAYERS = (
     "kv",  # the engine's side of KV transfer
     "executor",  # model runner, single process and tensor-parallel ranks
     "spec_decode",  # proposers and verification
+)
+
+# Bottom first, the router's layers: its shared top-level modules, then its subpackages.
+# The front (app, cli, args, http_deadline: every top-level module not named here) may
+# import any; a layer imports only itself and those before it.
+ROUTER_LAYERS = (
+    "errors",  # the OpenAI error body and APIError
+    "metrics",  # the router's Prometheus registry
+    "lora",  # which adapters the instances serve
+    "tokenizer",  # torch-free prompt processing
+    "tools",  # tool calling: parsers, request fields, template inputs, flag checks
+    "settings",  # RouterSettings (checks the tool-call parser's name)
+    "discovery",  # where the instances are: static, file, DNS, Kubernetes
+    "routing",  # pools, policies, the KV block index and its event feed, prefix matching
+    "legs",  # one request across the pools: placement, prefill and decode legs, failover
+    "openai",  # the HTTP protocol and endpoints: completions, chat, responses, tokenize
 )
 
 
@@ -192,30 +211,47 @@ def common_heavy_imports(modules: dict[str, Module]) -> list[str]:
     )
 
 
-def engine_layer_violations(modules: dict[str, Module]) -> list[str]:
-    def layer(name: str) -> int | None:  # None: a top-level engine module (or the package)
+def layer_violations(
+    modules: dict[str, Module], package: str, layers: tuple[str, ...]
+) -> list[str]:
+    """Imports against ``layers`` (bottom first) inside ``package``: a module of a layer (a
+    subpackage, or a top-level module the layers name) imports only its own layer and
+    those before it; the package's other top-level modules (its front) may import any."""
+
+    def layer(name: str) -> int | None:  # None: a front module (or the package itself)
         parts = name.split(".")
-        if len(parts) > 2 or (len(parts) == 2 and modules[name].is_package):
-            return ENGINE_LAYERS.index(parts[1]) if parts[1] in ENGINE_LAYERS else -1
-        return None
+        if len(parts) < 2:
+            return None
+        if parts[1] in layers:
+            return layers.index(parts[1])
+        subpackage = len(parts) > 2 or modules[name].is_package
+        return -1 if subpackage else None
 
     bad = []
     for m in modules.values():
-        if not m.name.startswith("engine.") and m.name != "engine":
+        if m.name.split(".")[0] != package:
             continue
         own = layer(m.name)
         if own == -1:
-            bad.append(f"{m.name} is in an engine subpackage ENGINE_LAYERS does not place")
+            bad.append(f"{m.name} is in a subpackage of {package} its layers do not place")
         if own is None or own == -1:
             continue
         for t in resolve(m.imports, modules):
-            if t.split(".")[0] != "engine":
+            if t.split(".")[0] != package:
                 continue
             theirs = layer(t)
             if theirs is None or theirs > own:
-                where = "a top-level engine module" if theirs is None else ENGINE_LAYERS[theirs]
-                bad.append(f"{m.name} ({ENGINE_LAYERS[own]}) imports {t} ({where})")
+                where = f"a top-level {package} module" if theirs is None else layers[theirs]
+                bad.append(f"{m.name} ({layers[own]}) imports {t} ({where})")
     return sorted(bad)
+
+
+def engine_layer_violations(modules: dict[str, Module]) -> list[str]:
+    return layer_violations(modules, "engine", ENGINE_LAYERS)
+
+
+def router_layer_violations(modules: dict[str, Module]) -> list[str]:
+    return layer_violations(modules, "router", ROUTER_LAYERS)
 
 
 def cycles(modules: dict[str, Module], package: str) -> list[list[str]]:
@@ -286,6 +322,10 @@ def test_engine_subpackages_import_only_downward(modules: dict[str, Module]) -> 
     assert engine_layer_violations(modules) == []
 
 
+def test_router_layers_import_only_downward(modules: dict[str, Module]) -> None:
+    assert router_layer_violations(modules) == []
+
+
 @pytest.mark.parametrize("package", sorted(OURS))
 def test_no_import_cycles_in_any_package(modules: dict[str, Module], package: str) -> None:
     assert cycles(modules, package) == []
@@ -301,6 +341,12 @@ def test_the_checks_catch_each_kind_of_break(tmp_path: Path) -> None:
         "router/lazy.py": "def f():\n    import numpy\n",
         "router/a.py": "from router import b\n",
         "router/b.py": "def f():\n    from router.a import x\n",
+        "router/errors.py": "",
+        "router/legs/__init__.py": "",
+        "router/legs/rpc.py": "from router.openai import handlers\nfrom router import errors\n",
+        "router/openai/__init__.py": "",
+        "router/openai/handlers.py": "from router.legs import rpc\nfrom router import cli\n",
+        "router/cli.py": "",
         "prefill_service/__init__.py": "from decode_service import servicer\n",
         "decode_service/__init__.py": "",
         "decode_service/servicer.py": "from pdserve import cli\n",
@@ -340,8 +386,15 @@ def test_the_checks_catch_each_kind_of_break(tmp_path: Path) -> None:
     assert engine_layer_violations(tree) == [
         "engine.core.outputs (core) imports engine.llm_engine (a top-level engine module)",
         "engine.core.request (core) imports engine.sampling.sampler (sampling)",
-        "engine.misc is in an engine subpackage ENGINE_LAYERS does not place",
+        "engine.misc is in a subpackage of engine its layers do not place",
     ]
     assert cycles(tree, "engine") == [["engine.core.request", "engine.sampling.sampler"]]
-    assert cycles(tree, "router") == [["router.a", "router.b"]]
+    assert router_layer_violations(tree) == [
+        "router.legs.rpc (legs) imports router.openai.handlers (openai)",
+        "router.openai.handlers (openai) imports router.cli (a top-level router module)",
+    ]
+    assert cycles(tree, "router") == [
+        ["router.a", "router.b"],
+        ["router.legs.rpc", "router.openai.handlers"],
+    ]
     assert cycles(tree, "pdserve") == []

@@ -12,10 +12,11 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from router.legs.params import SEED_SPACE, GenParams
 from router.legs.trace import Delta, TokenLogprob
 from router.metrics import RouterMetrics
 from router.openai.answer import DONE, Formatter, Usage, sse
-from router.openai.protocol import SEED_SPACE, CompletionRequest, GenParams, completion_params
+from router.openai.protocol import CompletionRequest, completion_params
 from router.tokenizer import PromptProcessor
 
 REPO = Path(__file__).resolve().parents[2]
