@@ -49,6 +49,10 @@ class AttentionBackend(abc.ABC):
     # Whether a pure-decode step through it reads only device tensors plus the fixed host
     # integers, so it can be captured in a CUDA graph (engine/executor/cuda_graphs.py's contract).
     captures_decode: bool = False
+    # Whether any step through it (prefill chunks included) reads the lengths only as device
+    # data and takes its grid from the token and request counts alone, so one graph per
+    # padded token count serves every mix of lengths (engine/executor/mixed_graphs.py).
+    captures_mixed: bool = False
 
     @abc.abstractmethod
     def forward(

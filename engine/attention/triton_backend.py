@@ -330,6 +330,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     accepts_prewritten_kv = True
+    captures_mixed = True
 
     def __init__(
         self,

@@ -62,6 +62,11 @@ class EngineConfig:
     guided_compile_memory: int = 1 << 30  # address space a compile may add (its own process)
     guided_cache_dir: str = ""  # compiled grammars shared by instances; "" = off
     cuda_graphs: bool = True  # capture decode steps on CUDA (triton, flash_attn, auto)
+    # Steps that carry prefill chunks replay full graphs over padded token counts up to
+    # ``mixed_graph_max_tokens`` (0 = eager) when ``cuda_graphs`` is on and the attention
+    # backend is Triton (engine/executor/mixed_graphs.py; docs/design.md §3 "CUDA graphs").
+    mixed_cuda_graphs: bool = True
+    mixed_graph_max_tokens: int = 2048
     fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
     # Launch decode step n+1 before step n's tokens reach the host (engine/async_scheduling.py).
     # None: on for CUDA, where the host time it hides is a tenth of a small model's step.
@@ -134,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.mixed_graph_max_tokens < 0:
+            raise ValueError(
+                f"mixed_graph_max_tokens must be >= 0, got {self.mixed_graph_max_tokens}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

@@ -5,7 +5,8 @@ process. ``MultiprocExecutor`` (``tp/executor.py``) is tensor parallelism: this 
 rank 0 and holds a runner of its own shard; ranks 1..N-1 are worker processes it starts,
 and each step it hands them the step's inputs before all ranks run the forward pass.
 ``PipelineExecutor`` (``pp/executor.py``) splits the layers into stages over a grid of
-such processes. ``model_runner`` (with ``step_inputs`` and ``cuda_graphs``) runs one rank's shard.
+such processes. ``model_runner`` (with ``step_inputs``, ``cuda_graphs`` and ``mixed_graphs``) runs one rank's
+shard.
 """
 
 from __future__ import annotations

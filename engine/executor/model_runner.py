@@ -25,6 +25,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.distributed.pp_group import PPGroup
 from engine.distributed.tp_group import TPGroup
 from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
+from engine.executor.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.executor.step_inputs import HostInputs, InputBuilder, StepInputs
 from engine.lora.slots import LoRASlots
 from engine.models import ModelArgs, build_model
@@ -114,6 +115,7 @@ class ModelRunner:
         # The step's LoRA token slots, when LoRA is on (engine/lora_serving.py sets it).
         self.lora_slots: LoRASlots | None = None
         self.graphs = self._capture_decode_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s), attention backend %s",
             self.num_blocks,
@@ -133,7 +135,7 @@ class ModelRunner:
         mode, the next GPU test) ran out of memory. The runner is unusable afterwards."""
         if not hasattr(self, "model"):
             return  # released already
-        self.graphs = None
+        self.graphs = self.mixed_graphs = None
         self.kv_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         del self.model  # the weights go with the last reference to the module
         if self.device.type == "cuda":
@@ -166,6 +168,35 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req,
             device=self.device,
             buckets=default_buckets(self.config.max_num_seqs),
+        )
+        graphs.capture()
+        return graphs
+
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        """Full CUDA graphs for steps with prefill chunks, one per padded token count up
+        to ``mixed_graph_max_tokens`` (engine/executor/mixed_graphs.py). Only a backend
+        with ``captures_mixed`` (Triton: lengths as device data) qualifies; like the
+        decode graphs, every tensor-parallel rank captures the same buckets in order."""
+        buckets = mixed_buckets(
+            min(self.config.mixed_graph_max_tokens, self.config.max_num_batched_tokens)
+        )
+        if (
+            self.device.type != "cuda"
+            or not self.backend.captures_mixed
+            or not (self.config.cuda_graphs and self.config.mixed_cuda_graphs)
+            or self.stage.size > 1
+            or not buckets
+        ):
+            return None
+        graphs = MixedGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_cache, meta),
+            buckets=buckets,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            hidden_size=self.args.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
         )
         graphs.capture()
         return graphs
@@ -273,6 +304,14 @@ class ModelRunner:
             and self.graphs.bucket_for(inputs.meta.num_reqs)
         ):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if (
+            self.mixed_graphs is not None
+            and not (self.lora_slots is not None and self.lora_slots.active)
+            and self.mixed_graphs.bucket_for(inputs.input_ids.shape[0], inputs.meta.num_reqs)
+        ):
+            # A step with prefill chunks (or drafts), or a decode step no decode graph holds.
+            hidden = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
