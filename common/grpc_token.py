@@ -6,7 +6,7 @@ every call but the standard health check that lacks the metadata
 The token travels in plaintext: it keeps out callers that can reach the port but do not
 know it (another tenant of the cluster network), not an eavesdropper on that network.
 
-Torch-free and gRPC-free: the service interceptor (``engine_service/auth.py``) and the
+Torch-free and gRPC-free: the service interceptor (``service/auth.py``) and the
 router's calls (``router/routing/pool.py``) share this.
 """
 

@@ -70,7 +70,7 @@ class LoRAServing:
         return sum(1 for r in scheduler.waiting if r.lora_name is not None and r.lora_slot < 0)
 
     def metrics(self) -> dict[str, float]:
-        """The numbers the service exports (engine_service/metrics.py); any thread."""
+        """The numbers the service exports (service/metrics.py); any thread."""
         stats = self.manager.stats
         return {
             "loads": stats.loads,

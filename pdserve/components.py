@@ -13,34 +13,20 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def _run_prefill(args: argparse.Namespace) -> int:
-    from prefill_service.server import run
+def _run_service(args: argparse.Namespace) -> int:
+    from service.roles import run
 
-    return run(args)
-
-
-def _run_decode(args: argparse.Namespace) -> int:
-    from decode_service.server import run
-
-    return run(args)
+    return run(args, args.command)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the three component subcommands (router only when ``router.cli`` exists)."""
-    from decode_service.server import add_arguments as add_decode_arguments
-    from prefill_service.server import add_arguments as add_prefill_arguments
+    from service.roles import ROLES, add_arguments
 
-    prefill = subparsers.add_parser(
-        "prefill", help="run one prefill gRPC service (engine as KV producer)"
-    )
-    add_prefill_arguments(prefill)
-    prefill.set_defaults(func=_run_prefill)
-
-    decode = subparsers.add_parser(
-        "decode", help="run one decode gRPC service (KV consumer, token streams)"
-    )
-    add_decode_arguments(decode)
-    decode.set_defaults(func=_run_decode)
+    for role in ROLES.values():  # prefill, decode
+        parser = subparsers.add_parser(role.name, help=role.help)
+        add_arguments(parser, role.name)
+        parser.set_defaults(func=_run_service)
 
     try:
         from router.cli import add_router_arguments, run_router

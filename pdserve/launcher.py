@@ -33,7 +33,6 @@ from common.grpc_tls import TlsFiles
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from common.grpc_token import new_token
 from common.settings import forwarded_words
-from engine_service.settings import forward_engine_flags
 from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve.gpus import (
     assign_gpus,
@@ -58,6 +57,7 @@ from pdserve.up_store import store_flags
 from pdserve.workdir import make_workdir, remove_stale_workdirs
 from router.args import RouterArgs
 from router.tools.flags import check_tool_flags
+from service.settings import forward_engine_flags
 
 logger = logging.getLogger(__name__)
 

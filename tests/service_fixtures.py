@@ -205,11 +205,11 @@ def _start_service_once(
 ) -> ServiceProcess:
     port, metrics_port = free_ports(2)
     name = name or f"{role}-{port}"
-    module = "prefill_service.server" if role == "prefill" else "decode_service.server"
     argv = [
         sys.executable,
         "-m",
-        module,
+        "service",
+        role,
         "--host",
         "127.0.0.1",
         "--port",

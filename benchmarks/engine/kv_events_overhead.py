@@ -37,7 +37,7 @@ from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.kv.events import KvEventPublisher, snapshot_held
 from engine.llm_engine import LLMEngine
-from engine_service.kv_events_rpc import to_proto
+from service.kv_events_rpc import to_proto
 
 CASES = ("off", "events", "events+host")
 

@@ -46,7 +46,7 @@ STREAM = pb.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 def start(name: str, model: Path, logs: Path, env: dict[str, str], tls: Any) -> ServiceProcess:
     port, metrics_port = free_ports(2)
     argv = [
-        *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
+        *(sys.executable, "-m", "service", "decode", "--host", "127.0.0.1"),
         *("--port", str(port), "--metrics-port", str(metrics_port)),
         *("--model", str(model), *SMALL_ENGINE_ARGS),
     ]

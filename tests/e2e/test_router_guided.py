@@ -203,13 +203,13 @@ def test_up_passes_speculative_to_decode_only(
 def test_service_speculative_flag_and_env_reach_engine_config(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from decode_service.server import add_arguments
     from engine.config import EngineConfig
-    from engine_service.settings import engine_config_from_args
+    from service.roles import add_arguments
+    from service.settings import engine_config_from_args
 
     def config(argv: list[str]) -> EngineConfig:
         parser = argparse.ArgumentParser()
-        add_arguments(parser)
+        add_arguments(parser, "decode")
         return engine_config_from_args(parser.parse_args(["--model", str(tiny_model_dir), *argv]))
 
     monkeypatch.delenv("PDSERVE_SPECULATIVE", raising=False)

@@ -56,7 +56,7 @@ def setup(tmp_path: Path) -> Iterator[dict[str, Any]]:
 def _start_decode_on(port: int, setup: dict[str, Any], flags: tuple[str, ...]) -> ServiceProcess:
     (metrics_port,) = free_ports(1)
     argv = [
-        sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1",
+        sys.executable, "-m", "service", "decode", "--host", "127.0.0.1",
         "--port", str(port), "--metrics-port", str(metrics_port), "--model", str(setup["base"]),
         *SMALL_ENGINE_ARGS, *flags, *LORA,
     ]  # fmt: skip

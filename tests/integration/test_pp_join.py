@@ -49,7 +49,7 @@ def _group(model: Path, logs: Path, tp: int) -> Group:
     name = f"stage1-{port}"
     argv = [
         sys.executable,
-        *("-m", "decode_service.server", "--host", "127.0.0.1", "--port", str(port)),
+        *("-m", "service", "decode", "--host", "127.0.0.1", "--port", str(port)),
         *("--metrics-port", "0", "--model", str(model), *SMALL_ENGINE_ARGS),
         *leader_at,
         *("--pipeline-stage", "1"),

@@ -59,7 +59,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     stack = ProcessStack(root / "logs", tiny_model_dir)
     port, metrics_port, health_port = free_ports(3)
     argv = [
-        *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
+        *(sys.executable, "-m", "service", "decode", "--host", "127.0.0.1"),
         *("--port", str(port), "--metrics-port", str(metrics_port)),
         *("--model", str(tiny_model_dir), *SMALL_ENGINE_ARGS),
         *("--grpc-health-port", str(health_port)),
@@ -220,7 +220,7 @@ def test_a_service_with_incomplete_tls_files_exits_with_a_clear_error(
     env = {f"PDSERVE_GRPC_TLS_{n.upper()}": str(paths[n]) for n in names}
     (port,) = free_ports(1)
     argv = [
-        *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
+        *(sys.executable, "-m", "service", "decode", "--host", "127.0.0.1"),
         *("--port", str(port), "--metrics-port", "0", "--model", str(tiny_model_dir)),
     ]
     proc = spawn("bad-tls", argv, tmp_path, env)

@@ -337,7 +337,7 @@ def test_flag_env_twin_and_up_forwarding(
 ) -> None:
     import argparse
 
-    from engine_service.settings import (
+    from service.settings import (
         add_forwarded_engine_arguments,
         add_service_arguments,
         engine_config_from_args,

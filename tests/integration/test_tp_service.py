@@ -96,7 +96,7 @@ def test_a_taken_port_fails_at_once_before_the_model_loads(
     ports[flag] = taken
     try:
         argv = [
-            *(sys.executable, "-m", "decode_service.server", "--host", "127.0.0.1"),
+            *(sys.executable, "-m", "service", "decode", "--host", "127.0.0.1"),
             *("--port", str(ports["--port"]), "--metrics-port", str(ports["--metrics-port"])),
             *("--model", str(tiny_model_dir), "--tensor-parallel-size", "2"),
         ]

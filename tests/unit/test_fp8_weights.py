@@ -204,7 +204,7 @@ def test_bad_fp8_checkpoint_tensors(tiny_model_dir: Path, tmp_path: Path) -> Non
 def test_quantization_flag_reaches_the_engine_config(tiny_model_dir: Path) -> None:
     import argparse
 
-    from engine_service.settings import (
+    from service.settings import (
         add_forwarded_engine_arguments,
         add_service_arguments,
         engine_config_from_args,

@@ -1,6 +1,6 @@
 """The Helm chart agrees with the settings models (docs/design.md §3 "Settings").
 
-A setting declared with ``helm=PATH`` (``engine/args.py``, ``engine_service/settings.py``,
+A setting declared with ``helm=PATH`` (``engine/args.py``, ``service/settings.py``,
 ``kv_store/args.py``, ``router/args.py``) says that chart value sets its env twin. For each:
 
 - ``values.schema.json`` admits only values the setting's flag accepts (every probe value
@@ -28,10 +28,10 @@ import yaml
 
 from common.settings import ArgsModel, Setting
 from engine.args import EngineArgs
-from engine_service.settings import ServiceSettings
 from kv_store.args import KVStoreSettings
 from pdserve import components
 from router.args import RouterArgs
+from service.settings import ServiceSettings
 from tests.unit.helm_support import CHART, CI_VALUES, RELEASE, container, find, render, workload
 
 ENGINE_PODS = ("prefill", "decode")

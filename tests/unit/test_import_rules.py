@@ -7,9 +7,9 @@ else ``a.b``); the parent packages Python also runs on import are not edges. The
 
 1. Packages import only the packages ``ALLOWED`` lists for them: ``common`` and the wire
    stubs ``pdserve_api`` nothing of ours; ``engine`` and ``kv_store`` at the bottom (the
-   engine uses the ``kv_store`` interface, never the reverse); ``engine_service`` above
-   them; ``prefill_service`` and ``decode_service`` above that and never each other;
-   ``router``, ``autoscaler`` and the CLI ``pdserve`` on top. Nothing imports ``pdserve``
+   engine uses the ``kv_store`` interface, never the reverse); ``service`` (the gRPC
+   services, both roles) above them; ``router``, ``autoscaler`` and the CLI ``pdserve``
+   on top. Nothing imports ``pdserve``
    but ``pdserve``.
 2. The router never loads torch (it runs in small CPU pods): no router module imports
    torch, triton or numpy, and nothing the router imports at module level does, however
@@ -39,9 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "pdserve_api": set(),
     "kv_store": {"common"},
     "engine": {"common", "kv_store"},
-    "engine_service": {"common", "pdserve_api", "kv_store", "engine"},
-    "prefill_service": {"common", "pdserve_api", "kv_store", "engine", "engine_service"},
-    "decode_service": {"common", "pdserve_api", "kv_store", "engine", "engine_service"},
+    "service": {"common", "pdserve_api", "kv_store", "engine"},
     "router": {"common", "pdserve_api"},
     "autoscaler": {"common", "pdserve_api"},
     "pdserve": {
@@ -49,9 +47,7 @@ ALLOWED: dict[str, set[str]] = {
         "pdserve_api",
         "kv_store",
         "engine",
-        "engine_service",
-        "prefill_service",
-        "decode_service",
+        "service",
         "router",
         "autoscaler",
     },
@@ -347,9 +343,8 @@ def test_the_checks_catch_each_kind_of_break(tmp_path: Path) -> None:
         "router/openai/__init__.py": "",
         "router/openai/handlers.py": "from router.legs import rpc\nfrom router import cli\n",
         "router/cli.py": "",
-        "prefill_service/__init__.py": "from decode_service import servicer\n",
-        "decode_service/__init__.py": "",
-        "decode_service/servicer.py": "from pdserve import cli\n",
+        "service/__init__.py": "from router import app\n",
+        "service/servicer.py": "from pdserve import cli\n",
         "pdserve/__init__.py": "",
         "pdserve/cli.py": "",
         "engine/__init__.py": "",
@@ -372,11 +367,11 @@ def test_the_checks_catch_each_kind_of_break(tmp_path: Path) -> None:
         (tmp_path / package).mkdir(exist_ok=True)
     tree = scan(tmp_path)
     assert package_violations(tree) == [
-        "decode_service.servicer imports pdserve.cli: decode_service may import "
-        "['common', 'engine', 'engine_service', 'kv_store', 'pdserve_api']",
-        "prefill_service imports decode_service.servicer: prefill_service may import "
-        "['common', 'engine', 'engine_service', 'kv_store', 'pdserve_api']",
         "router.app imports engine.core.request: router may import ['common', 'pdserve_api']",
+        "service imports router.app: service may import "
+        "['common', 'engine', 'kv_store', 'pdserve_api']",
+        "service.servicer imports pdserve.cli: service may import "
+        "['common', 'engine', 'kv_store', 'pdserve_api']",
     ]
     assert router_heavy_imports(tree) == [
         "router.app loads torch through common.heavy",

@@ -31,7 +31,7 @@ from engine.kv.events import (
 )
 from engine.kv.host_tier import HostKvTier
 from engine.llm_engine import LLMEngine
-from engine_service.kv_events_rpc import to_proto
+from service.kv_events_rpc import to_proto
 from tests.kv_events_support import Replica
 
 BS = 4

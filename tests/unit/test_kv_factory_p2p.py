@@ -73,7 +73,7 @@ def test_token_and_kv_secret_come_from_the_service_settings_and_stay_out_of_repr
     assert (s.p2p_token, s.kv_secret) == ("tok", "sec")
     p = argparse.ArgumentParser()
     add_cli_arguments(p, env)
-    p.add_argument("--grpc-token", default="tok")  # as engine_service/settings.py adds it
+    p.add_argument("--grpc-token", default="tok")  # as service/settings.py adds it
     assert KVStoreSettings.from_args(p.parse_args([])) == s
     assert "tok" not in repr(s) and "sec" not in repr(s)
     flags = p.parse_args(["--kv-secret", "other"])

@@ -126,8 +126,8 @@ def test_fp8_handoff_over_fs_is_identical_to_colocated_fp8(
     assert tokens[: len(colocated)] == colocated
 
     # A float32-KV decode instance refuses the fp8 prefill's handle, naming the dtype.
-    from engine_service.convert import check_handle_compatible, kv_handle
-    from engine_service.errors import IncompatibleKvHandle
+    from service.convert import check_handle_compatible, kv_handle
+    from service.errors import IncompatibleKvHandle
 
     handle = kv_handle(producer, saved, "fs")
     assert handle.dtype == "float8_e4m3fn"
@@ -140,7 +140,7 @@ def test_fp8_handoff_over_fs_is_identical_to_colocated_fp8(
 def test_kv_cache_dtype_flag_reaches_the_engine_and_up_forwards_it(tiny_model_dir: Path) -> None:
     import argparse
 
-    from engine_service.settings import (
+    from service.settings import (
         add_forwarded_engine_arguments,
         add_service_arguments,
         engine_config_from_args,

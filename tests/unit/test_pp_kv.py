@@ -19,10 +19,10 @@ from engine.kv.fingerprint import (
     tensor_parallel_size_of,
 )
 from engine.models import ModelArgs
-from engine_service.convert import check_handle_compatible, kv_handle_fields
-from engine_service.errors import IncompatibleKvHandle
 from kv_store.tp_connector import rank_fingerprint
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.convert import check_handle_compatible, kv_handle_fields
+from service.errors import IncompatibleKvHandle
 
 
 def _config(model: Path, pp: int = 1, tp: int = 1) -> EngineConfig:

@@ -20,7 +20,6 @@ import pytest
 from common.settings import ArgsModel, Setting, setting
 from engine.args import SERVICE_ONLY, EngineArgs
 from engine.config import EngineConfig
-from engine_service.settings import ServiceSettings, forward_engine_flags
 from kv_store.args import KVStoreSettings
 from pdserve import components, launcher, tune
 from pdserve.bench import offline
@@ -28,6 +27,7 @@ from pdserve.procs import Launcher
 from pdserve.tune_grid import GridPoint
 from pdserve.up_args import UpArgs
 from router.args import RouterArgs
+from service.settings import ServiceSettings, forward_engine_flags
 
 # Texts tried in order for a value other than the default that a flag accepts.
 _CANDIDATES = ("2", "3", "0.25", "64Mi", "priority", "x-probe", "ngram:k=2", "a=/x")

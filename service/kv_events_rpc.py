@@ -6,7 +6,7 @@ Deadlines: a subscription has none of its own (the caller may set one; the strea
 ends DEADLINE_EXCEEDED and the caller resubscribes). The first batch (the snapshot) must
 come within ``SNAPSHOT_TIMEOUT_S``, or the call ends UNAVAILABLE: the engine thread takes
 it between steps, and one that cannot is stuck. Liveness of an idle stream is the
-transport's: the server pings every idle connection (``engine_service/runtime.py``
+transport's: the server pings every idle connection (``service/runtime.py``
 keepalive options), so a vanished subscriber's stream ends and its queue is dropped.
 
 Endings: RESOURCE_EXHAUSTED when the subscriber fell ``--kv-events-max-queue`` batches
@@ -23,9 +23,9 @@ import grpc
 import grpc.aio
 
 from engine.kv.events import KvEventBatch, KvEventPublisher, PublisherClosed, SubscriberBehind
-from engine_service.core import EngineServiceCore
-from engine_service.errors import EngineFull, ServiceUnavailable
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.core import EngineServiceCore
+from service.errors import EngineFull, ServiceUnavailable
 
 SNAPSHOT_TIMEOUT_S = 30.0
 

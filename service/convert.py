@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine_service.errors import IncompatibleKvHandle
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.errors import IncompatibleKvHandle
 
 if TYPE_CHECKING:
     from engine.core.outputs import KvSaveResult, RequestOutput, TokenLogprob

@@ -27,13 +27,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.grpc_tls import TlsFiles, parse_allowed
 from common.memory_trim import MemoryTrimmer
 from engine.args import EngineArgs
-from engine_service.auth import AllowedClientsInterceptor, TokenAuthInterceptor
-from engine_service.core import EngineServiceCore
-from engine_service.errors import ErrorMappingInterceptor
-from engine_service.metrics import ServiceMetrics
-from engine_service.settings import ServiceSettings
 from kv_store.args import KVStoreSettings
 from kv_store.base import KVStoreError
+from service.auth import AllowedClientsInterceptor, TokenAuthInterceptor
+from service.core import EngineServiceCore
+from service.errors import ErrorMappingInterceptor
+from service.metrics import ServiceMetrics
+from service.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def run_service(args: argparse.Namespace, *, role: str, register: Register) -> i
         engine_args = EngineArgs.from_args(args)
         store = KVStoreSettings.from_args(args)
         if engine_args.pipeline_stage > 0:  # a pipeline stage on its own host: no engine
-            from engine_service.stage_service import run_stage
+            from service.stage import run_stage
 
             status = run_stage(settings, engine_args, store)
         else:

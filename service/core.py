@@ -29,9 +29,9 @@ import grpc.aio
 from common.grpc_tls import peer_identity
 from engine.client import EngineClient, GenerateRequest
 from engine.core.outputs import RequestOutput
-from engine_service.errors import EngineFull, ServiceUnavailable
-from engine_service.metrics import ServiceMetrics
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.errors import EngineFull, ServiceUnavailable
+from service.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 

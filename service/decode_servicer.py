@@ -28,7 +28,9 @@ from common.grpc_tls import peer_identity
 from engine.client import GenerateRequest
 from engine.lora.request import SLOT_TIMEOUT_ERROR
 from engine.sampling.guided import GUIDE_REFUSED
-from engine_service.convert import (
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
+from service.convert import (
     check_handle_compatible,
     logprobs_to_proto,
     phase_timings,
@@ -36,14 +38,12 @@ from engine_service.convert import (
     sampling_params_from_proto,
     token_ids,
 )
-from engine_service.core import (
+from service.core import (
     EngineServiceCore,
     lora_identity,
 )
-from engine_service.errors import IncompatibleKvHandle, LoRASlotBusy, ServiceUnavailable
-from engine_service.shared_rpcs import SharedRpcs
-from pdserve_api.v1 import pdserve_pb2 as pb
-from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
+from service.errors import IncompatibleKvHandle, LoRASlotBusy, ServiceUnavailable
+from service.shared_rpcs import SharedRpcs
 
 
 class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):

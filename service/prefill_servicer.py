@@ -21,21 +21,21 @@ from common.grpc_tls import peer_identity
 from engine.client import GenerateRequest
 from engine.lora.request import SLOT_TIMEOUT_ERROR
 from engine.sampling.guided import GUIDE_REFUSED
-from engine_service.convert import (
+from pdserve_api.v1 import pdserve_pb2 as pb
+from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
+from service.convert import (
     kv_handle,
     logprobs_to_proto,
     phase_timings,
     sampling_params_from_proto,
     token_ids,
 )
-from engine_service.core import (
+from service.core import (
     EngineServiceCore,
     lora_identity,
 )
-from engine_service.errors import KVSaveFailed, LoRASlotBusy
-from engine_service.shared_rpcs import SharedRpcs
-from pdserve_api.v1 import pdserve_pb2 as pb
-from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
+from service.errors import KVSaveFailed, LoRASlotBusy
+from service.shared_rpcs import SharedRpcs
 
 
 class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):

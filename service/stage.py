@@ -18,8 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.args import EngineArgs
-from engine_service.settings import ServiceSettings
 from kv_store.args import KVStoreSettings
+from service.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
 

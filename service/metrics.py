@@ -30,9 +30,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine_service.kv_tier_metrics import kv_tier_families
-from engine_service.p2p_metrics import transport_families
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.kv_tier_metrics import kv_tier_families
+from service.p2p_metrics import transport_families
 
 if TYPE_CHECKING:
     from engine.spec_decode.decoder import SpecDecodeStats

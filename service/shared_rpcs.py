@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 
-from engine_service.core import EngineServiceCore, load_lora_adapter, unload_lora_adapter
-from engine_service.kv_events_rpc import subscribe_kv_events
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.core import EngineServiceCore, load_lora_adapter, unload_lora_adapter
+from service.kv_events_rpc import subscribe_kv_events
 
 
 class SharedRpcs:
