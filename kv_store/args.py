@@ -19,8 +19,11 @@ from typing import Any
 from common.settings import ArgsModel, setting
 from common.sizes import parse_bytes
 
-CONNECTORS = ("fs", "redis", "lmcache", "p2p", "none")
-STORES = ("fs", "redis", "lmcache", "none")  # what --kv-store composes with p2p
+CONNECTORS = ("fs", "redis", "lmcache", "p2p", "nixl", "none")
+STORES = ("fs", "redis", "lmcache", "none")  # what --kv-store composes with p2p / nixl
+# The handoff connectors: the prefill holds the blocks under a lease, the decode pulls them
+# (p2p over a process group, nixl by a NIXL READ); both compose with a store.
+HANDOFFS = ("p2p", "nixl")
 DEFAULT_TTL_S = 3600.0
 DEFAULT_CAPACITY = 10 * 1024**3
 GRPC_TOKEN_ENV = "PDSERVE_GRPC_TOKEN"  # the services' --grpc-token, which p2p reuses
@@ -114,7 +117,7 @@ class KVStoreSettings(ArgsModel):
         "none",
         type=_name,
         choices=STORES,
-        help="with --connector p2p: also save to this store, for prefix reuse and as the "
+        help="with --connector p2p or nixl: also save to this store, for prefix reuse and as the "
         "fallback when the peer is unreachable",
         helm="connector.p2p.store",
     )
@@ -135,7 +138,7 @@ class KVStoreSettings(ArgsModel):
         flag="--p2p-lease-seconds",
         type=_parse_seconds,
         unit="s",
-        help="p2p: how long a prefill holds a request's blocks for the decode side's pull",
+        help="p2p and nixl: how long a prefill holds a request's blocks for the decode side's pull",
         helm="connector.p2p.leaseSeconds",
     )
     p2p_timeout_s: float = setting(
@@ -143,7 +146,7 @@ class KVStoreSettings(ArgsModel):
         flag="--p2p-timeout",
         type=_parse_seconds,
         unit="s",
-        help="p2p: deadline of one pull (connect, rendezvous, data), seconds",
+        help="p2p and nixl: deadline of one pull (connect, rendezvous or pin, data), seconds",
         helm="connector.p2p.timeoutSeconds",
     )
     # fs/redis: records carry a keyed BLAKE3 MAC under this secret (empty: checksums only).
@@ -154,15 +157,15 @@ class KVStoreSettings(ArgsModel):
         "refuse records that do not verify; set it in production (prefer the environment "
         "twin: a command line is visible to every user)",
     )
-    # p2p: the control-plane token a pulling peer must prove (empty: no check). Not a flag
-    # of its own: the service's --grpc-token.
+    # p2p, nixl: the control-plane token a pulling peer must prove (empty: no check). Not a
+    # flag of its own: the service's --grpc-token.
     p2p_token: str = field(default="", repr=False)
 
     @property
     def store_kind(self) -> str:
-        """The store connector among the settings: ``connector`` itself, or for p2p the
-        composed ``kv_store`` ("none" when p2p runs alone)."""
-        return self.kv_store if self.connector == "p2p" else self.connector
+        """The store connector among the settings: ``connector`` itself, or for a handoff
+        (p2p, nixl) the composed ``kv_store`` ("none" when it runs alone)."""
+        return self.kv_store if self.connector in HANDOFFS else self.connector
 
     def validate(self) -> None:
         """``ValueError`` naming the flag to fix."""
@@ -174,8 +177,8 @@ class KVStoreSettings(ArgsModel):
             raise ValueError(
                 f"--kv-store must be one of {', '.join(STORES)}, got {self.kv_store!r}"
             )
-        if self.kv_store != "none" and self.connector != "p2p":
-            raise ValueError("--kv-store composes a store with --connector p2p only")
+        if self.kv_store != "none" and self.connector not in HANDOFFS:
+            raise ValueError("--kv-store composes a store with --connector p2p or nixl only")
         if not 0 <= self.p2p_port <= 65535:
             raise ValueError(f"--p2p-port must be in 0..65535, got {self.p2p_port}")
         if self.p2p_lease_s <= 0 or self.p2p_timeout_s <= 0:

@@ -104,7 +104,25 @@ def _build(settings: KVStoreSettings, host: str) -> KVConnector | None:
         from kv_store.p2p.composed import P2PWithStore
 
         return P2PWithStore(p2p, store)
+    if settings.connector == "nixl":
+        return _build_nixl(settings)
     return _build_store(settings, settings.connector)
+
+
+def _build_nixl(settings: KVStoreSettings) -> KVConnector:
+    """NIXL handoff (its agent's metadata rides in the handles: no port of its own), and
+    the store beside it as with p2p."""
+    from kv_store.nixl import NixlConnector
+
+    nixl = NixlConnector(
+        lease_s=settings.p2p_lease_s, timeout_s=settings.p2p_timeout_s, token=settings.p2p_token
+    )
+    store = _build_store(settings, settings.kv_store)
+    if store is None:
+        return nixl
+    from kv_store.p2p.composed import P2PWithStore
+
+    return P2PWithStore(nixl, store)
 
 
 def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:

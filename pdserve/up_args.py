@@ -42,17 +42,21 @@ class UpArgs(ArgsModel):
     mode: str = setting(
         "disaggregated", choices=("disaggregated", "colocated", "auto"), help="router mode"
     )
-    connector: str = setting("fs", choices=("fs", "redis", "lmcache", "p2p"), help="KV handoff")
+    connector: str = setting(
+        "fs", choices=("fs", "redis", "lmcache", "p2p", "nixl"), help="KV handoff"
+    )
     kv_store: str = setting(
         "none",
         choices=("none", "fs", "redis", "lmcache"),
-        help="with --connector p2p: a store beside it (prefix reuse, fallback)",
+        help="with --connector p2p or nixl: a store beside it (prefix reuse, fallback)",
     )
     p2p_lease_seconds: str | None = setting(
-        None, type=_kv_text("p2p_lease_s"), help="p2p: how long a prefill holds blocks for the pull"
+        None,
+        type=_kv_text("p2p_lease_s"),
+        help="p2p, nixl: how long a prefill holds blocks for the pull",
     )
     p2p_timeout: str | None = setting(
-        None, type=_kv_text("p2p_timeout_s"), help="p2p: deadline of one pull, seconds"
+        None, type=_kv_text("p2p_timeout_s"), help="p2p, nixl: deadline of one pull, seconds"
     )
     kv_path: str | None = setting(
         None, help="fs store directory (default: a temporary one, removed at exit)"

@@ -20,8 +20,8 @@ def _store_child(
 ) -> tuple[list[str], Child | None]:
     """The connector flags for the services, and the store process to start (if any)."""
     kind = kind or args.connector
-    if kind == "p2p":  # peer to peer; with --kv-store, a store beside it (started as usual)
-        p2p = ["--connector", "p2p"]
+    if kind in ("p2p", "nixl"):  # a handoff; with --kv-store, a store beside it (as usual)
+        p2p = ["--connector", kind]
         p2p += ["--p2p-lease-seconds", args.p2p_lease_seconds] if args.p2p_lease_seconds else []
         p2p += ["--p2p-timeout", args.p2p_timeout] if args.p2p_timeout else []
         if args.kv_store in (None, "", "none"):
@@ -62,7 +62,7 @@ LMCACHE_DEFAULT_CAPACITY = "1GiB"
 def store_flags(launcher: Launcher, args: argparse.Namespace) -> tuple[list[str], Child | None]:
     """``_store_child`` plus the store bounds (``--kv-ttl``, ``--kv-capacity``) to pass on."""
     flags, child = _store_child(launcher, args)
-    store = args.kv_store if args.connector == "p2p" else args.connector
+    store = args.kv_store if args.connector in ("p2p", "nixl") else args.connector
     capacity = args.kv_capacity or (LMCACHE_DEFAULT_CAPACITY if store == "lmcache" else None)
     if capacity:
         flags += ["--kv-capacity", capacity]

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, role: str) -> int:
     if spec.needs_connector and args.connector == "none":
         logging.getLogger(__name__).error(
             "a prefill service needs a KV connector to hand its KV to decode: pass --connector "
-            "p2p, or fs|redis|lmcache with its --kv-path / --redis-url / --lmcache-url "
+            "p2p or nixl, or fs|redis|lmcache with its --kv-path / --redis-url / --lmcache-url "
             "(env PDSERVE_CONNECTOR)"
         )
         return 2

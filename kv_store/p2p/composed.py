@@ -1,5 +1,6 @@
 """``P2PWithStore``: the p2p handoff composed with a store connector (``--connector p2p
---kv-store fs|redis|lmcache``).
+--kv-store fs|redis|lmcache``); the nixl handoff composes the same way (``--connector
+nixl --kv-store ...``: same lease contract, so the same rules).
 
 - Save: the blocks are offered for a pull (the engine streams the handle at once) *and*
   written to the store, whose keys ride in the same handle. The engine frees them only when
@@ -16,14 +17,18 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
 from kv_store.keys import block_keys
-from kv_store.p2p.connector import P2PConnector
 from kv_store.p2p.stats import P2PStats
 from kv_store.stats import ConnectorStats
+
+if TYPE_CHECKING:
+    from kv_store.nixl.connector import NixlConnector
+    from kv_store.p2p.connector import P2PConnector
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +44,10 @@ class _Save:
 class P2PWithStore(KVConnector):
     """See the module docstring. Results reach the engine as if from one connector."""
 
-    def __init__(self, p2p: P2PConnector, store: KVConnector) -> None:
+    def __init__(self, p2p: P2PConnector | NixlConnector, store: KVConnector) -> None:
+        """``p2p``: the handoff, either p2p connector or nixl (the same lease contract)."""
         self.p2p, self.store = p2p, store
-        self.name = f"p2p+{store.name}"
+        self.name = f"{p2p.name}+{store.name}"
         self._fingerprint = ""
         self._lock = threading.Lock()
         self._saves: dict[str, _Save] = {}

@@ -8,6 +8,9 @@ CONFIG: ``seed`` (the cache is random from it), ``num_blocks``, ``layout`` (KvLa
 optionally ``slow_tag``/``slow_s``: before sending the batch with that tag the sender touches
 ``marker`` and sleeps ``slow_s`` (fault injection: a transfer that is in progress long enough
 to abort, or kill, in the middle; the protocol itself runs unchanged).
+``connector``: "p2p" (default) or "nixl" (``kv_store.nixl``); for nixl ``slow_s`` makes the
+prefill side, once it has pinned a lease, touch ``marker`` and wait before saying so (the
+pull is then in progress: pinned, its decode side waiting).
 
 Prints ``{"address": ...}`` once ready, then one JSON line per command:
 
@@ -62,6 +65,44 @@ def _slow_sends(slow_tag: int, seconds: float, marker: str) -> None:
     PairGroup.send = send  # type: ignore[method-assign]
 
 
+def _slow_pins(seconds: float, marker: str) -> None:
+    from kv_store.nixl.agent import PoolAgent
+
+    real_notify = PoolAgent.notify
+
+    def notify(self: PoolAgent, agent: str, message: bytes) -> bool:
+        if b'"op":"pinned"' in message and b'"ok":true' in message:
+            with open(marker, "w") as f:
+                f.write("pinned")
+            time.sleep(seconds)
+        return real_notify(self, agent, message)
+
+    PoolAgent.notify = notify  # type: ignore[method-assign]
+
+
+def _connector(cfg: dict[str, Any]) -> Any:
+    if cfg.get("connector", "p2p") == "nixl":
+        from kv_store.nixl import NixlConnector
+
+        if cfg.get("slow_s") is not None:
+            _slow_pins(float(cfg["slow_s"]), cfg["marker"])
+        return NixlConnector(
+            lease_s=cfg.get("lease_s", 30.0),
+            timeout_s=cfg.get("timeout_s", 10.0),
+            token=cfg.get("token", ""),
+        )
+    if cfg.get("slow_tag") is not None:
+        _slow_sends(int(cfg["slow_tag"]), float(cfg["slow_s"]), cfg["marker"])
+    return P2PConnector(
+        host="127.0.0.1",
+        lease_s=cfg.get("lease_s", 30.0),
+        timeout_s=cfg.get("timeout_s", 10.0),
+        backend=cfg.get("backend", "auto"),
+        batch_bytes=cfg.get("batch_bytes", 64 * 1024 * 1024),
+        token=cfg.get("token", ""),
+    )
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.cpu().contiguous()
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
@@ -74,17 +115,8 @@ def main() -> None:
     device = cfg.get("device", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))  # NCCL binds to the current device
-    if cfg.get("slow_tag") is not None:
-        _slow_sends(int(cfg["slow_tag"]), float(cfg["slow_s"]), cfg["marker"])
     kv = make_cache(layout, cfg["num_blocks"], cfg["seed"], device)
-    conn = P2PConnector(
-        host="127.0.0.1",
-        lease_s=cfg.get("lease_s", 30.0),
-        timeout_s=cfg.get("timeout_s", 10.0),
-        backend=cfg.get("backend", "auto"),
-        batch_bytes=cfg.get("batch_bytes", 64 * 1024 * 1024),
-        token=cfg.get("token", ""),
-    )
+    conn = _connector(cfg)
     conn.bind_kv_cache(kv, layout, "fp-test")
     releases: list[dict[str, Any]] = []
     results: list[TransferResult] = []  # saves and loads not yet claimed by a command
