@@ -2,8 +2,10 @@
 "Control-plane security"): the shared token (``common/grpc_token.py``) and the mTLS
 client allow-list (``common/grpc_tls.py``).
 
-A call without ``authorization: Bearer <token>`` ends with UNAUTHENTICATED before its
-request is even parsed; the standard ``grpc.health.v1`` service stays open, because
+A call without a valid credential (a per-call ``PDS1`` credential for this instance, or
+``Bearer <token>``) ends with UNAUTHENTICATED before its request is even parsed; one that
+carries a ``pdserve-challenge`` nonce instead gets this instance's proof of the token in
+the trailing metadata of that refusal (how the router checks whom it talks to); the standard ``grpc.health.v1`` service stays open, because
 Kubernetes probes and the launcher's readiness checks cannot send metadata. With mTLS the
 handshake already refused callers without a certificate from the CA; with
 ``--grpc-allowed-clients`` a call whose certificate names none of the allowed identities
@@ -20,12 +22,19 @@ import grpc
 import grpc.aio
 
 from common.grpc_tls import identity_allowed, peer_identity
-from common.grpc_token import presented
+from common.grpc_token import (
+    CHALLENGE_KEY,
+    METADATA_KEY,
+    PROOF_KEY,
+    CallChecker,
+    metadata_value,
+    presented,
+)
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_PREFIX = "/grpc.health.v1."
-_MESSAGE = "missing or wrong control-plane token: send 'authorization: Bearer <token>'"
+_MESSAGE = "missing or wrong control-plane credential (common/grpc_token.py)"
 _DENIED = "this client certificate is not in the service's --grpc-allowed-clients"
 
 
@@ -37,6 +46,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if not token:
             raise ValueError("TokenAuthInterceptor needs a non-empty token")
         self._token = token
+        self._checker = CallChecker(token)
         self._record = record_outcome or (lambda _rpc, _outcome: None)
 
     async def intercept_service(
@@ -46,23 +56,45 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata
+        rpc = method.rsplit("/", 1)[-1]
         if (
             handler is None
             or method.startswith(_HEALTH_PREFIX)
-            or presented(handler_call_details.invocation_metadata, self._token)
+            or self._checker.accepts(metadata_value(metadata, METADATA_KEY), rpc)
+            or presented(metadata, self._token)
         ):
             return handler
-        rpc = method.rsplit("/", 1)[-1]
-        logger.warning("refused %s: no valid control-plane token", rpc)
-        self._record(rpc, "unauthenticated")
-        # No request_deserializer: an unauthenticated request is never parsed.
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_deny_stream)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_deny_stream)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_deny_unary)
-        return grpc.unary_unary_rpc_method_handler(_deny_unary)
+        challenge = metadata_value(metadata, CHALLENGE_KEY)
+        trailing: tuple[tuple[str, str], ...] = ()
+        if challenge and len(challenge) <= 64:
+            trailing = ((PROOF_KEY, self._checker.answer(challenge)),)
+        else:
+            logger.warning("refused %s: no valid control-plane credential", rpc)
+            self._record(rpc, "unauthenticated")
+        return _denial(handler, trailing)
+
+
+def _denial(
+    handler: grpc.RpcMethodHandler, trailing: tuple[tuple[str, str], ...]
+) -> grpc.RpcMethodHandler:
+    """A handler that refuses UNAUTHENTICATED (with ``trailing`` metadata) and never
+    parses the request (no request_deserializer)."""
+
+    async def deny_unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE, trailing)
+
+    async def deny_stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE, trailing)
+        yield  # pragma: no cover - abort raises; this makes the function a generator
+
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(deny_unary)
+    return grpc.unary_unary_rpc_method_handler(deny_unary)
 
 
 class AllowedClientsInterceptor(grpc.aio.ServerInterceptor):
@@ -126,12 +158,3 @@ def _checked(
 
         return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
     raise ValueError(f"{rpc}: client-streaming RPCs are not served by pdserve")
-
-
-async def _deny_unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
-
-
-async def _deny_stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
-    yield  # pragma: no cover - abort raises; this makes the function a generator

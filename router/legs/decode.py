@@ -172,7 +172,9 @@ async def decode_deltas(
         trace.decode_instances.append(inst.url)
         trace.note_route(inst.pool, inst.url, ctx.note, len(job.block_hashes))
         rid = f"{job.request_id}-{index}" + (f"-r{choice.failovers}" if choice.failovers else "")
-        call = stub.Decode(choice.request(rid), timeout=deadline_for(job), metadata=inst.metadata)
+        call = stub.Decode(
+            choice.request(rid), timeout=deadline_for(job), metadata=inst.auth.metadata("Decode")
+        )
         done = stalled = False
         inst.inflight += 1
         try:

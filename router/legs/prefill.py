@@ -77,7 +77,9 @@ async def prefill_events(
         trace.prefill_instance = inst.url
         trace.note_route("prefill", inst.url, ctx.note, len(job.block_hashes))
         call = inst.stub.Prefill(
-            request, timeout=deadline_for(job, leg.prefill_timeout), metadata=inst.metadata
+            request,
+            timeout=deadline_for(job, leg.prefill_timeout),
+            metadata=inst.auth.metadata("Prefill"),
         )
         done = False
         inst.inflight += 1

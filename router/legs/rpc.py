@@ -70,7 +70,9 @@ class LegContext:
 async def _abort(inst: Instance, request_id: str, timeout: float) -> None:
     try:
         await inst.stub.Abort(
-            pdserve_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=inst.metadata
+            pdserve_pb2.AbortRequest(request_id=request_id),
+            timeout=timeout,
+            metadata=inst.auth.metadata("Abort"),
         )
     except grpc.RpcError as exc:
         logger.debug("abort %s on %s failed: %s", request_id, inst.url, exc)

@@ -124,7 +124,7 @@ async def _call(inst: Instance, method: str, **fields: str) -> Any:
     )
     try:
         return await getattr(inst.stub, method)(
-            request, timeout=CALL_TIMEOUT_S, metadata=inst.metadata
+            request, timeout=CALL_TIMEOUT_S, metadata=inst.auth.metadata(method)
         )
     except grpc.aio.AioRpcError as exc:
         return exc

@@ -31,6 +31,7 @@ import grpc
 from pdserve_api.v1 import pdserve_pb2
 from router.metrics import RouterMetrics
 from router.routing.kv_index import KvBlockIndex
+from router.routing.service_auth import ServiceIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class KvEventSubscriber:
         stub: Any,
         index: KvBlockIndex,
         *,
-        metadata: tuple[tuple[str, str], ...] = (),
+        auth: ServiceIdentity | None = None,
         metrics: RouterMetrics | None = None,
         backoff_s: tuple[float, float] = (0.2, 2.0),
         unsupported_retry_s: float = 60.0,
@@ -58,7 +59,7 @@ class KvEventSubscriber:
         self.pool = pool
         self.stub = stub
         self.index = index
-        self.metadata = metadata
+        self.auth = auth or ServiceIdentity()
         self.metrics = metrics
         self.backoff_s = backoff_s
         self.unsupported_retry_s = unsupported_retry_s
@@ -121,7 +122,9 @@ class KvEventSubscriber:
             delay = min(delay * 2, self.backoff_s[1])
 
     async def _subscribe_once(self) -> None:
-        call = self.stub.SubscribeKvEvents(pdserve_pb2.KvEventsRequest(), metadata=self.metadata)
+        call = self.stub.SubscribeKvEvents(
+            pdserve_pb2.KvEventsRequest(), metadata=self.auth.metadata("SubscribeKvEvents")
+        )
         first = True
         try:
             async for batch in call:
@@ -175,10 +178,8 @@ class KvEventFeeds:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._dropped_seen = 0
 
-    def add(self, url: str, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
-        sub = KvEventSubscriber(
-            url, self.pool, stub, self.index, metadata=metadata, metrics=self.metrics
-        )
+    def add(self, url: str, stub: Any, auth: ServiceIdentity) -> None:
+        sub = KvEventSubscriber(url, self.pool, stub, self.index, auth=auth, metrics=self.metrics)
         self.subscribers[url] = sub
         self._tasks[url] = asyncio.get_running_loop().create_task(
             sub.run(), name=f"kv-events-{self.pool}-{url}"

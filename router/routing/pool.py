@@ -26,7 +26,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_tls import TlsFiles, channel_options
-from common.grpc_token import call_metadata
 from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.lora import lora_candidates
 from router.metrics import RouterMetrics
@@ -35,6 +34,7 @@ from router.routing.kv_index import KvBlockIndex, TierWeights
 from router.routing.policies import Policy, RouteContext, RouteNote, make_policy
 from router.routing.prefix_index import PrefixIndex
 from router.routing.prefix_match import PrefixMatcher
+from router.routing.service_auth import IdentityNotProven, ServiceIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Instance:
     sent_since_poll: int = 0  # requests routed here since the last GetLoad, not yet in ``load``
     inflight: int = 0
     last_error: str = ""
-    metadata: tuple[tuple[str, str], ...] = ()  # sent on every call: the control-plane token
+    # The control-plane credential of each call (router/service_auth.py).
+    auth: ServiceIdentity = field(default_factory=ServiceIdentity)
     # DecodeService on the same channel: a prefill instance serves whole requests when no
     # decode instance is healthy (docs/design.md §5); for decode instances, ``stub`` itself.
     decode_stub: Any = None
@@ -140,7 +141,7 @@ class InstancePool:
         self.metrics = metrics
         self.health_interval = health_interval
         self.check_timeout = check_timeout
-        self.call_metadata = call_metadata(grpc_token)
+        self.grpc_token = grpc_token
         # mTLS (docs/design.md §3, "Control-plane security"): one set of credentials for
         # every instance; the name checked in their certificates is the dialed host unless
         # ``tls_server_name`` overrides it.
@@ -218,11 +219,11 @@ class InstancePool:
             channel,
             pdserve_pb2_grpc.PrefillServiceStub(channel) if self.name == "prefill" else decode_stub,
             health_pb2_grpc.HealthStub(channel),
-            metadata=self.call_metadata,
+            auth=ServiceIdentity(self.grpc_token),
             decode_stub=decode_stub,
         )
         if self.kv_feeds is not None:
-            self.kv_feeds.add(url, self._instances[url].stub, self.call_metadata)
+            self.kv_feeds.add(url, self._instances[url].stub, self._instances[url].auth)
         logger.info("%s pool: added %s", self.name, url)
 
     async def _remove(self, url: str) -> None:
@@ -248,12 +249,15 @@ class InstancePool:
                 raise _Unhealthy(
                     f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
                 )
+            await inst.auth.prove(inst.stub, self.check_timeout)
             info = await inst.stub.GetLoad(
-                pdserve_pb2.GetLoadRequest(), timeout=self.check_timeout, metadata=inst.metadata
+                pdserve_pb2.GetLoadRequest(),
+                timeout=self.check_timeout,
+                metadata=inst.auth.metadata("GetLoad"),
             )
             if info.draining:
                 raise _Unhealthy("draining")
-        except (grpc.RpcError, _Unhealthy) as exc:
+        except (grpc.RpcError, _Unhealthy, IdentityNotProven) as exc:
             if _forgiven(inst, exc):
                 logger.info("%s pool: %s answered late (%s); kept in", self.name, inst.url,
                             _describe(exc))  # fmt: skip
