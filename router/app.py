@@ -25,13 +25,14 @@ from router.legs.rpc import LegContext
 from router.legs.trace import Trace
 from router.lora import adapter_cards
 from router.metrics import RouterMetrics
+from router.openai.body_parse import document_bodies
 from router.openai.deps import Deps
 from router.openai.handlers import handle_generation, outcome_of
 from router.openai.lora_admin import add_lora_admin_routes
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.responses_api import ResponsesRequest
 from router.openai.responses_format import ResponsesFormatter
-from router.openai.tokenize_api import add_tokenize_routes
+from router.openai.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
 from router.routing.estimator import AutoEstimator
 from router.routing.pool import InstancePool
 from router.settings import RouterSettings
@@ -255,7 +256,17 @@ def create_app(
     )
     _add_routes(app, deps)
     add_lora_admin_routes(app, deps)
-    add_tokenize_routes(app, processor, deps.settings.served_model_names)
+    add_tokenize_routes(app, deps)
+    document_bodies(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+    )
     return app
 
 
@@ -269,16 +280,20 @@ def _add_routes(app: FastAPI, deps: Deps) -> None:
             "max_model_len": deps.processor.shape.max_model_len,
         }
 
+    # The bodies are read by deps.body (router/openai/body_parse.py), not by FastAPI: element
+    # limits before any model is built, large bodies decoded off the event loop.
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await handle_generation(request, deps, body)
+    async def completions(request: Request) -> Response:
+        return await handle_generation(request, deps, await deps.body(request, CompletionRequest))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await deps.body(request, ChatCompletionRequest)
         return await handle_generation(request, deps, body)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+    async def responses(request: Request) -> Response:
+        body = await deps.body(request, ResponsesRequest)
         try:
             chat = body.chat_request()
         except APIError as exc:

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from fastapi import Request
+from pydantic import BaseModel
+
+from router.errors import APIError
 from router.legs.orchestrator import Orchestrator
+from router.legs.trace import Trace
 from router.lora import served_adapters
 from router.metrics import RouterMetrics
+from router.openai.body_parse import BodyLimits, parse_body
 from router.settings import RouterSettings
 from router.tokenizer import PromptProcessor
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(slots=True)
@@ -29,6 +38,16 @@ class Deps:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
+
+    async def body(self, request: Request, model: type[M]) -> M:
+        """The request's body as ``model``, under the element limits
+        (router/openai/body_parse.py); a refusal is counted like any invalid request."""
+        limits = BodyLimits(self.settings.max_chat_messages, self.settings.max_batch_prompts)
+        try:
+            return await parse_body(request, model, limits, self.preprocess)
+        except APIError:
+            Trace().finish(self.metrics, "invalid")
+            raise
 
     def adapters(self) -> set[str]:
         """LoRA adapters the healthy instances serve (router/lora.py)."""

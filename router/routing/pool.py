@@ -96,7 +96,7 @@ class Instance:
     sent_since_poll: int = 0  # requests routed here since the last GetLoad, not yet in ``load``
     inflight: int = 0
     last_error: str = ""
-    # The control-plane credential of each call (router/service_auth.py).
+    # The control-plane credential of each call (router/routing/service_auth.py).
     auth: ServiceIdentity = field(default_factory=ServiceIdentity)
     # DecodeService on the same channel: a prefill instance serves whole requests when no
     # decode instance is healthy (docs/design.md §5); for decode instances, ``stub`` itself.
