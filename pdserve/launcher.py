@@ -32,6 +32,12 @@ from common.grpc_tls import FLAGS as TLS_FLAGS
 from common.grpc_tls import TlsFiles
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from common.grpc_token import new_token
+from common.memory_budget import (
+    DEFAULT_CPU_KV_CACHE,
+    EngineMemory,
+    check_host,
+    host_memory_bytes,
+)
 from common.settings import forwarded_words
 from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve.gpus import (
@@ -185,11 +191,20 @@ def _check_counts(args: argparse.Namespace) -> None:
         )
 
 
+def _check_memory(args: argparse.Namespace) -> None:
+    """Every engine this run starts on the machine, against its memory (ValueError naming
+    the sizes; common/memory_budget.py)."""
+    kv = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE
+    engine = EngineMemory(args.device, kv, args.kv_offloading_size or 0)
+    check_host([engine] * (args.prefill + args.decode), host_memory_bytes(), "this machine")
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Entry point of `pdserve up`: 0 after a requested stop, 1 when a part failed."""
     remove_stale_workdirs()  # of runs killed with SIGKILL, which could not clean up
     try:
         _check_counts(args)
+        _check_memory(args)
         check_tool_flags(args)
         # Misuse of --gpus / --gpu-ids, or too few of them for N, fails before anything starts.
         assign_gpus(1, gpu_ids(args), gpus_per_engine(args))

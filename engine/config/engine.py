@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.memory_budget import EngineMemory, check_host, host_memory_bytes
 from engine.config.deterministic import check_deterministic
 from engine.config.lora import check_lora_settings
 from engine.config.pipeline import check_pipeline_settings
@@ -199,6 +200,11 @@ class EngineConfig:
             check_tensor_parallel(ModelArgs.from_hf(self.hf_config()), self.tensor_parallel_size)
 
     def _check_host_tier(self) -> None:
+        # Host memory promised against the machine's (common/memory_budget.py): a clear
+        # error at start, not an allocator traceback (64Ti) or a later out-of-memory.
+        kv = self.kv_cache_memory if self.num_kv_blocks is None else 0
+        memory = EngineMemory(self.device, kv, max(self.kv_offloading_size, 0))
+        check_host([memory], host_memory_bytes(), "this machine")
         if self.kv_events_max_queue < 1:
             raise ValueError(f"kv_events_max_queue must be >= 1, got {self.kv_events_max_queue}")
         if self.kv_offloading_size < 0:
