@@ -77,7 +77,13 @@ def _engine_flags(
     flags = ["--model", model_dir, "--device", args.device, "--torch-threads", str(threads)]
     if not args.guided_cache_dir:
         flags += ["--guided-cache-dir", str(workdir / "grammars")]
-    return flags + forward_engine_flags(args)
+    return flags + _tracing_flags(args) + forward_engine_flags(args)
+
+
+def _tracing_flags(args: argparse.Namespace) -> list[str]:
+    """Every child traces to the one endpoint (docs/running.md "Tracing")."""
+    endpoint = args.otlp_traces_endpoint
+    return ["--otlp-traces-endpoint", endpoint] if endpoint else []
 
 
 def build_plan(
@@ -127,6 +133,7 @@ def build_plan(
         *["--discovery", "file", "--instances-file", str(table.path)],
         *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
         *forwarded_words(RouterArgs.forwarded(), args),  # the tool flags, as given
+        *_tracing_flags(args),
         *tls_flags,
         *(["--grpc-tls-server-name", args.grpc_tls_server_name] if tls_flags else []),
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 from common.flags import fraction, non_negative_int, positive_int
 from common.settings import ArgsModel, Setting, checked_text, setting
+from common.tracing import ENDPOINT_HELP
 from engine.args import SPECULATIVE_HELP, EngineArgs
 from kv_store.args import KVStoreSettings
 from pdserve.up_store import LMCACHE_DEFAULT_CAPACITY
@@ -103,6 +104,9 @@ class UpArgs(ArgsModel):
     )
     log_dir: str | None = setting(
         None, help="keep child logs here (default: in the temporary directory)"
+    )
+    otlp_traces_endpoint: str = setting(
+        "", help=ENDPOINT_HELP + "; passed to the router and every engine service"
     )
     max_restarts: int = setting(
         5,

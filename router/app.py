@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.tracing import make_tracing
 from common.version import installed_version
 from router.errors import APIError, error_body, install_error_handlers
 from router.legs.orchestrator import Orchestrator
@@ -229,6 +230,7 @@ def create_app(
         Orchestrator(leg, settings.mode, decode_first=settings.decode_first),
         metrics,
         asyncio.Semaphore(settings.preprocess_concurrency),
+        tracing=make_tracing(settings.otlp_traces_endpoint, "pdserve-router"),
     )
 
     @contextlib.asynccontextmanager
@@ -242,6 +244,8 @@ def create_app(
             await decode_pool.stop()
             for task in list(leg.background):
                 task.cancel()
+            if deps.tracing is not None:
+                deps.tracing.shutdown()  # export the spans still buffered
 
     app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
     app.state.deps = deps

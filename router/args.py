@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from common.flags import non_negative_int, positive_int
 from common.settings import ArgsModel, setting
+from common.tracing import ENDPOINT_HELP
 from router.routing.policies import POLICY_NAMES
 from router.tools.parsers import PARSERS
 
@@ -185,6 +186,7 @@ class RouterArgs(ArgsModel):
         help="serve /metrics without the API key (for scrapers that cannot send one)",
         helm="router.apiKey.publicMetrics",
     )
+    otlp_traces_endpoint: str = setting("", help=ENDPOINT_HELP, helm="tracing.otlpTracesEndpoint")
     max_prompt_tokens: int | None = setting(
         None,
         type=optional_positive_int,

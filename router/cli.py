@@ -66,6 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         header_read_timeout=args.header_read_timeout,
         max_connections=args.max_connections,
         preprocess_concurrency=args.preprocess_concurrency,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         decode_first=args.decode_first == "full",
     )

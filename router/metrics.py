@@ -105,6 +105,21 @@ class RouterMetrics:
             ["connector", "direction"],
             registry=r,
         )
+        # Per request, by connector: how long the prompt's KV save / load took, and its
+        # blocks (router/legs/transfer.py; save counts every prompt block, load the loaded ones).
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Seconds of one request's KV save (prefill) or load (decode), by connector",
+            ["connector", "direction"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_blocks = Counter(
+            "pdserve_kv_transfer_blocks",
+            "KV blocks of the requests' handoffs, by connector and direction",
+            ["connector", "direction"],
+            registry=r,
+        )
         self.kv_load_fallbacks = Counter(
             "pdserve_kv_load_fallbacks",
             "Requests whose prompt KV was recomputed instead of loaded",

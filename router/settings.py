@@ -39,6 +39,7 @@ class RouterSettings:
     header_read_timeout: float = 10.0
     max_connections: int = 4096
     preprocess_concurrency: int = 4
+    otlp_traces_endpoint: str = ""  # "" = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing
     allow_runtime_lora_updating: bool = False  # router/openai/lora_admin.py
     decode_first: bool = True  # router/legs/placement.py
 

@@ -27,6 +27,7 @@ from typing import Any
 import grpc.aio
 
 from common.grpc_tls import peer_identity
+from common.tracing import Tracing
 from engine.client import EngineClient, GenerateRequest
 from engine.core.outputs import RequestOutput
 from pdserve_api.v1 import pdserve_pb2 as pb
@@ -50,6 +51,7 @@ class EngineServiceCore:
     model_name: str
     max_waiting: int = 0
     draining: bool = False
+    tracing: Tracing | None = None  # --otlp-traces-endpoint (service/spans.py)
     _inflight: dict[str, str] = field(default_factory=dict)  # request id -> owner identity
     _recent: OrderedDict[str, str] = field(default_factory=OrderedDict)  # finished: owners
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

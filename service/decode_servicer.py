@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc.aio
@@ -44,6 +44,7 @@ from service.core import (
 )
 from service.errors import IncompatibleKvHandle, LoRASlotBusy, ServiceUnavailable
 from service.shared_rpcs import SharedRpcs
+from service.spans import traced_decode
 
 
 class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):
@@ -76,6 +77,16 @@ class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeChunk]:
+        chunks = self._decode(request, context)
+        if self._core.tracing is not None:  # its spans, from the chunks (service/spans.py)
+            chunks = traced_decode(self._core.tracing, request, context, chunks)
+        async with contextlib.aclosing(chunks) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def _decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.DecodeChunk, None]:
         core = self._core
         core.admit()
         request_id, prompt, generated, params, remote_kv = self._prepare(request)

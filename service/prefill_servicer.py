@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc.aio
@@ -36,6 +36,7 @@ from service.core import (
 )
 from service.errors import KVSaveFailed, LoRASlotBusy
 from service.shared_rpcs import SharedRpcs
+from service.spans import traced_prefill
 
 
 class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):
@@ -48,6 +49,16 @@ class PrefillServicer(SharedRpcs, pb_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillEvent]:
+        events = self._prefill(request, context)
+        if self._core.tracing is not None:  # its spans, from the events (service/spans.py)
+            events = traced_prefill(self._core.tracing, request, context, events)
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                yield event
+
+    async def _prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.PrefillEvent, None]:
         core = self._core
         core.admit()
         request_id = core.new_request_id(request.request_id)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.grpc_tls import TlsFiles, parse_allowed
 from common.memory_trim import MemoryTrimmer
+from common.tracing import make_tracing
 from engine.args import EngineArgs
 from kv_store.args import KVStoreSettings
 from kv_store.base import KVStoreError
@@ -150,6 +151,7 @@ async def _serve(
     health_server = None
     metrics_server = None
     engine: AsyncLLMEngine | None = None
+    core: EngineServiceCore | None = None
     trimmer = MemoryTrimmer(settings.memory_trim_interval)
     try:
         # The ports are claimed before the engine loads: the engine's helpers (the tensor-
@@ -171,6 +173,7 @@ async def _serve(
             metrics=metrics,
             model_name=settings.model_name,
             max_waiting=settings.max_waiting,
+            tracing=make_tracing(settings.otlp_traces_endpoint, f"pdserve-{role}"),
         )
         names = register(server, core, connector)
         await server.start()
@@ -196,6 +199,8 @@ async def _serve(
         await server.stop(grace=2.0)
     finally:
         trimmer.stop()
+        if core is not None and core.tracing is not None:
+            core.tracing.shutdown()  # export the spans still buffered
         if health_server is not None:
             await health_server.stop(grace=None)
         if engine is not None:

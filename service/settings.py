@@ -14,6 +14,7 @@ from typing import Any
 
 from common.flags import byte_size, non_negative_int
 from common.settings import ArgsModel, forwarded_words, setting
+from common.tracing import ENDPOINT_HELP
 from engine.args import SPECULATIVE_HELP, EngineArgs
 
 __all__ = [
@@ -93,6 +94,7 @@ class ServiceSettings(ArgsModel):
         "64 MiB (glibc malloc_trim; the buffers of refused oversized messages stay "
         "otherwise); 0 = off",
     )
+    otlp_traces_endpoint: str = setting("", help=ENDPOINT_HELP, helm="tracing.otlpTracesEndpoint")
     torch_threads: int = 0
     model_name: str = ""
 

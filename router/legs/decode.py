@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from router.legs.rpc import (
 )
 from router.legs.stream_watch import StreamWatch
 from router.legs.trace import Delta, Job, Trace
+from router.legs.transfer import note_load
 from router.routing.policies import RouteContext
 from router.routing.pool import Instance
 
@@ -60,6 +62,7 @@ class _Choice:
     busy_error: str = ""
     failovers: int = 0
     first_chunk: bool = True
+    call_started: float = 0.0  # perf_counter when the current Decode call began
 
     def request(self, rid: str) -> pdserve_pb2.DecodeRequest:
         return pdserve_pb2.DecodeRequest(
@@ -88,7 +91,7 @@ class _Choice:
         if self.first_chunk:
             self.first_chunk = False
             if self.index == 0:  # phases are per request: choice 0's first stream stands for them
-                _record_decode_start(self.leg, self.trace, chunk, self.handle)
+                _record_decode_start(self.leg, self.trace, chunk, self.handle, self.call_started)
         self.tokens.extend(chunk.token_ids)
         delta = _delta(self.job, self.trace, self.index, chunk, self.resumed)
         if delta is not None:
@@ -170,12 +173,13 @@ async def decode_deltas(
             )
         inst, stub = picked
         trace.decode_instances.append(inst.url)
-        trace.note_route(inst.pool, inst.url, ctx.note, len(job.block_hashes))
+        route = trace.note_route(inst.pool, inst.url, ctx.note, len(job.block_hashes))
         rid = f"{job.request_id}-{index}" + (f"-r{choice.failovers}" if choice.failovers else "")
-        call = stub.Decode(
-            choice.request(rid), timeout=deadline_for(job), metadata=inst.auth.metadata("Decode")
-        )
+        span, metadata = _call_span(choice, rid, route, inst.auth.metadata("Decode"))
+        choice.call_started = time.perf_counter()
+        call = stub.Decode(choice.request(rid), timeout=deadline_for(job), metadata=metadata)
         done = stalled = False
+        error: str | None = "cancelled"  # unless the stream finishes or fails
         inst.inflight += 1
         try:
             async with StreamWatch(call, inst, leg.stream_idle_timeout) as watch:
@@ -190,6 +194,7 @@ async def decode_deltas(
                             watch.touch()
                         if chunk.finished or (delta is not None and delta.finish_reason):
                             done = chunk.finished  # else we stop it (router-side stop)
+                            error = None
                             return
                 except asyncio.CancelledError:
                     reason = watch.broken()
@@ -202,14 +207,18 @@ async def decode_deltas(
                         leg.metrics.decode_stalls.labels(watch.kind).inc()
                     else:
                         done = True  # its channel is closed: nothing left to cancel there
+                    error = reason
                     choice.on_failure(StreamBroken(reason), inst, rid)
                     continue
             raise StreamBroken("decode stream ended without a final chunk")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True
+            error = describe(exc)
             choice.on_failure(exc, inst, rid)
         finally:
             inst.inflight -= 1
+            if span is not None and trace.spans is not None:
+                trace.spans.end_call(span, error, **{"pdserve.tokens": len(choice.tokens)})
             if not done:
                 call.cancel()  # the instance sees the cancellation and aborts the request
                 if stalled:  # a hung instance may not: tell it again once it answers
@@ -282,18 +291,33 @@ def _check_resumable(
         ) from exc
 
 
-def _record_decode_start(leg: LegContext, trace: Trace, chunk: Any, handle: Any) -> None:
+def _call_span(choice: _Choice, rid: str, route: dict[str, Any], metadata: Any) -> tuple[Any, Any]:
+    """The call's CLIENT span (a resumed stream's carries ``pdserve.failover``) and its
+    metadata with the trace context; tracing off: no span, the instance's metadata."""
+    spans = choice.trace.spans
+    if spans is None:
+        return None, metadata
+    span = spans.call(
+        "decode",
+        rid,
+        route,
+        **{
+            "pdserve.choice": choice.index,
+            "pdserve.failover": choice.failovers,
+            "pdserve.resumed_tokens": len(choice.tokens),
+            "pdserve.kv_handle": choice.handle is not None,
+        },
+    )
+    return span, spans.call_metadata(span, tuple(metadata or ()))
+
+
+def _record_decode_start(
+    leg: LegContext, trace: Trace, chunk: Any, handle: Any, call_started: float
+) -> None:
     if not chunk.HasField("timings"):
         return
     t = chunk.timings
     trace.phase("decode_queue", t.queue_s)
     trace.phase("kv_load", t.kv_load_s)
-    if handle is None:
-        return
-    if t.kv_blocks_recomputed:
-        leg.metrics.kv_load_fallbacks.labels("recompute").inc()
-    tokens = min(handle.num_tokens, t.kv_blocks_loaded * max(handle.block_size, 1))
-    nbytes = tokens * leg.shape.kv_bytes_per_token(handle.dtype)
-    if nbytes:
-        leg.metrics.kv_bytes.labels(handle.connector or "unknown", "load").inc(nbytes)
-        leg.estimator.observe_transfer(nbytes, t.kv_load_s)
+    if handle is not None:
+        note_load(leg, trace, handle, t, call_started)

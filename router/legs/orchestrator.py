@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from pdserve_api.v1 import pdserve_pb2
@@ -76,7 +77,10 @@ class Orchestrator:
 
     async def generate(self, job: Job, trace: Trace) -> AsyncIterator[Delta]:
         """Every delta of every choice, in arrival order; raises APIError on failure."""
+        started = time.perf_counter()
         trace.decision = self.placement.decide(job, trace)
+        if trace.spans is not None:
+            trace.spans.route(started, trace.decision, trace.placement)
         if trace.decision in ("local_prefill", "decode_first"):
             async for delta in self._local(job, trace):
                 yield delta

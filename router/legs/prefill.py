@@ -38,6 +38,7 @@ from router.legs.rpc import (
 )
 from router.legs.stream_watch import StreamWatch
 from router.legs.trace import Job, TokenLogprob, Trace
+from router.legs.transfer import note_save
 from router.routing.policies import RouteContext
 
 logger = logging.getLogger(__name__)
@@ -75,13 +76,13 @@ async def prefill_events(
             leg.metrics.prefill_retries.inc()
         tried.add(inst.url)
         trace.prefill_instance = inst.url
-        trace.note_route("prefill", inst.url, ctx.note, len(job.block_hashes))
+        route = trace.note_route("prefill", inst.url, ctx.note, len(job.block_hashes))
+        span, metadata = _call_span(trace, job, route, attempt, inst.auth.metadata("Prefill"))
         call = inst.stub.Prefill(
-            request,
-            timeout=deadline_for(job, leg.prefill_timeout),
-            metadata=inst.auth.metadata("Prefill"),
+            request, timeout=deadline_for(job, leg.prefill_timeout), metadata=metadata
         )
         done = False
+        error: str | None = "cancelled"  # unless the call commits or fails
         inst.inflight += 1
         try:
             # Health-only watch: its idle clock is the call's own deadline (a long prompt
@@ -107,6 +108,7 @@ async def prefill_events(
                             watch.held = False
                         elif event.HasField("kv_committed"):
                             done = True
+                            error = None
                             yield event.kv_committed
                             return
                 except asyncio.CancelledError:
@@ -120,6 +122,7 @@ async def prefill_events(
             raise StreamBroken("prefill stream ended before the KV was committed")
         except (grpc.aio.AioRpcError, StreamBroken) as exc:
             done = True
+            error = describe(exc)
             fatal = (
                 fatal_error(exc, f"prefill instance {inst.url}")
                 if isinstance(exc, grpc.aio.AioRpcError)
@@ -148,10 +151,30 @@ async def prefill_events(
             inst.inflight -= 1
             if not done:  # consumer left (client gone, or the first token ended the request)
                 call.cancel()  # the instance sees the cancellation and aborts the request
+            if span is not None and trace.spans is not None:
+                # Leaving after the first token (it ended the request) is no error.
+                quiet = error == "cancelled" and first_sent
+                trace.spans.end_call(span, None if quiet else error)
     if not first_sent:
         raise _exhausted(len(tried), last_error)
     leg.metrics.kv_load_fallbacks.labels("prefill_lost").inc()
     yield None
+
+
+def _call_span(
+    trace: Trace, job: Job, route: dict[str, Any], attempt: int, metadata: Any
+) -> tuple[Any, Any]:
+    """The attempt's CLIENT span and the call's metadata with its trace context (tracing
+    off: no span, the instance's own metadata)."""
+    if trace.spans is None:
+        return None, metadata
+    span = trace.spans.call(
+        "prefill",
+        job.request_id,
+        route,
+        **{"pdserve.attempt": attempt, "gen_ai.usage.input_tokens": len(job.prompt_ids)},
+    )
+    return span, trace.spans.call_metadata(span, tuple(metadata or ()))
 
 
 def _save_failed(exc: BaseException) -> bool:
@@ -186,9 +209,4 @@ def _record_prefill_timings(leg: LegContext, job: Job, trace: Trace, event: Any)
         leg.estimator.observe_prefill(computed, t.compute_s)
     if event.HasField("kv_committed"):
         trace.phase("kv_save", t.kv_save_s)
-        handle = event.kv_committed
-        leg.kv_dtype = handle.dtype or leg.kv_dtype
-        # Upper bound: the prefill skips blocks the store already held.
-        nbytes = handle.num_tokens * leg.shape.kv_bytes_per_token(handle.dtype)
-        leg.metrics.kv_bytes.labels(handle.connector or "unknown", "save").inc(nbytes)
-        leg.estimator.observe_transfer(nbytes, t.kv_save_s)
+        note_save(leg, trace, event.kv_committed, t.kv_save_s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.legs.params import GenParams
+from router.legs.spans import RequestSpans
 from router.metrics import PHASES, RouterMetrics
 from router.routing.policies import RouteNote
 
@@ -56,6 +57,10 @@ class Job:
         return self.deadline - time.monotonic()
 
 
+# The per-request transfer figures ``pdserve_timings`` carries as ``kv_<name>``.
+TRANSFER_FIGURES = ("blocks_loaded", "blocks_recomputed", "bytes_saved", "bytes_loaded")
+
+
 @dataclass(slots=True)
 class Trace:
     """Timings of one request; ``finish`` records them into the metrics once."""
@@ -75,9 +80,15 @@ class Trace:
     # instance choice with its reason and prefix hit. ``pdserve_timings`` returns it.
     placement: dict[str, Any] = field(default_factory=dict)
     routes: list[dict[str, Any]] = field(default_factory=list)
+    # The prompt's KV handoff (router/legs/transfer.py): connector, blocks, bytes, seconds.
+    transfer: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    spans: RequestSpans | None = None  # only when tracing is on (router/legs/spans.py)
     _done: bool = False
 
-    def note_route(self, pool: str, instance: str, note: RouteNote | None, blocks: int) -> None:
+    def note_route(
+        self, pool: str, instance: str, note: RouteNote | None, blocks: int
+    ) -> dict[str, Any]:
         """Record one instance choice: the pool, the instance and why (``RouteNote``)."""
         entry: dict[str, Any] = {"pool": pool, "instance": instance, "prompt_blocks": blocks}
         if note is not None:
@@ -87,10 +98,14 @@ class Trace:
             if note.score is not None:
                 entry["score"] = round(note.score, 3)
         self.routes.append(entry)
+        return entry
 
     def route_info(self) -> dict[str, Any]:
         """The ``pdserve_route`` usage field: decision, placement inputs, choices."""
-        return {"decision": self.decision, **self.placement, "choices": self.routes}
+        info = {"decision": self.decision, **self.placement, "choices": self.routes}
+        if "connector" in self.transfer:
+            info["kv_connector"] = self.transfer["connector"]
+        return info
 
     def phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + max(0.0, seconds)
@@ -103,6 +118,8 @@ class Trace:
             return
         if self.first_token_at is None:
             self.first_token_at = now
+            if self.spans is not None:
+                self.spans.first_token(now - self.arrival)
         prev = self.last_token_at.get(delta.index)
         if prev is not None:
             self.itl_samples.append((now - prev) / count)
@@ -114,6 +131,9 @@ class Trace:
         if self.first_token_at is not None:
             out["ttft"] = round(self.first_token_at - self.arrival, 6)
         out["e2e"] = round(time.perf_counter() - self.arrival, 6)
+        for key in TRANSFER_FIGURES:
+            if key in self.transfer:
+                out[f"kv_{key}"] = self.transfer[key]
         return out
 
     def finish(self, metrics: RouterMetrics, outcome: str) -> None:
@@ -122,6 +142,8 @@ class Trace:
             return
         self._done = True
         metrics.requests.labels(outcome).inc()
+        if self.spans is not None:
+            self.spans.finish(outcome, self._usage_attributes())
         if outcome != "success":
             return
         end = time.perf_counter()
@@ -134,3 +156,14 @@ class Trace:
                 metrics.tpot.observe((end - self.first_token_at) / (self.completion_tokens - 1))
         for sample in self.itl_samples:
             metrics.itl.observe(sample)
+
+    def _usage_attributes(self) -> dict[str, Any]:
+        """The root span's closing attributes (GenAI semantic conventions where they exist)."""
+        return {
+            "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens,
+            "pdserve.cached_tokens": self.cached_tokens,
+            "pdserve.decision": self.decision,
+            "pdserve.prefill_instance": self.prefill_instance,
+            "pdserve.decode_instances": list(self.decode_instances) or None,
+        }

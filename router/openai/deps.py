@@ -11,6 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from common.tracing import Tracing
 from router.errors import APIError
 from router.legs.orchestrator import Orchestrator
 from router.legs.trace import Trace
@@ -34,6 +35,7 @@ class Deps:
     # Bounds the requests templated/tokenized on worker threads at once (``_prompts_of``).
     preprocess: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
     active: int = 0
+    tracing: Tracing | None = None  # --otlp-traces-endpoint (common/tracing.py)
 
     @property
     def model_name(self) -> str:

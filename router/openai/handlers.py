@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.tracing import Tracing
 from router.errors import APIError, bad_request
 from router.legs.orchestrator import Orchestrator, merge_streams
+from router.legs.spans import RequestSpans
 from router.legs.trace import Delta, Job, Trace
 from router.lora import routing_root
 from router.openai.admission import check_fits, check_prompt, prompts_of
@@ -173,6 +175,8 @@ async def handle_generation(
     deps.active += 1
     release = True
     trace.phase("router_queue", time.perf_counter() - trace.arrival)
+    if deps.tracing is not None:
+        _start_spans(deps.tracing, request, req, jobs, trace)
     run = _run_jobs(deps.orchestrator, jobs, trace)
     try:
         if req.stream:
@@ -202,6 +206,33 @@ async def handle_generation(
     finally:
         if release:
             deps.active -= 1
+
+
+def _start_spans(
+    tracing: Tracing,
+    request: Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    jobs: list[Job],
+    trace: Trace,
+) -> None:
+    """The request's root span (continuing the client's ``traceparent``) and its queue span."""
+    params = jobs[0].params
+    trace.prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
+    attributes = {
+        "gen_ai.operation.name": "chat"
+        if isinstance(req, ChatCompletionRequest)
+        else "text_completion",
+        "gen_ai.request.model": req.model,
+        "gen_ai.request.max_tokens": jobs[0].max_tokens,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.choice.count": jobs[0].n,
+        "gen_ai.usage.input_tokens": trace.prompt_tokens,
+        "pdserve.request_id": jobs[0].request_id,
+        "pdserve.stream": bool(req.stream),
+    }
+    trace.spans = RequestSpans.begin(tracing, request.headers.items(), trace.arrival, attributes)
+    trace.spans.queue(trace.arrival, trace.phases.get("router_queue", 0.0), len(jobs))
 
 
 def _run_jobs(orch: Orchestrator, jobs: list[Job], trace: Trace) -> AsyncIterator[Delta]:

@@ -162,6 +162,7 @@ def example(path: str, node: dict[str, Any]) -> Any:
         "connector.capacity": "3Gi",
         "engine.kvOffloadingSize": "2Gi",
         "kvKeyPrefix": "probe:",
+        "tracing.otlpTracesEndpoint": "http://probe-collector:4317",
     }
     assert path in strings, f"add an example value for the string setting {path}"
     return strings[path]

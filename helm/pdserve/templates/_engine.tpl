@@ -157,6 +157,7 @@ spec:
               value: {{ printf "%s-0.%s.%s.svc:%d" $groupName $groupName $root.Release.Namespace (int $root.Values.engine.pipelinePort) | quote }}
             {{- end }}
             {{- with include "pdserve.grpcTokenEnv" $root }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "pdserve.tracingEnv" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.grpcTlsEnv" (dict "root" $root "side" "engine") }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.kvSecretEnv" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with include "pdserve.redisEnv" $root }}{{ . | nindent 12 }}{{ end }}

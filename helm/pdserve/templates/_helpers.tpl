@@ -285,3 +285,11 @@ the three keys, group-readable (fsGroup) and nothing else. */}}
       key: {{ $.Values.kvSecret.key }}
 {{- end }}
 {{- end }}
+
+{{/* PDSERVE_OTLP_TRACES_ENDPOINT, if tracing.otlpTracesEndpoint is set (router and engines). */}}
+{{- define "pdserve.tracingEnv" -}}
+{{- with .Values.tracing.otlpTracesEndpoint -}}
+- name: PDSERVE_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
