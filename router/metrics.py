@@ -23,6 +23,10 @@ OUTCOMES = (
     "error",
 )
 
+# Why a prompt's KV was recomputed instead of loaded (``pdserve_kv_load_fallbacks_total``):
+# every reason is exported from the start, so the dashboard panel shows 0, not "no data".
+KV_FALLBACK_REASONS = ("save_failed", "prefill_lost", "handle_refused", "recompute")
+
 # Why a request left its mode's placement (``pdserve_router_pool_fallback_total``).
 FALLBACK_REASONS = ("no_prefill", "prefill_failed", "no_decode")
 
@@ -182,6 +186,8 @@ class RouterMetrics:
             self.disagg_decisions.labels(decision)
         for reason in FALLBACK_REASONS:
             self.pool_fallbacks.labels(reason)
+        for reason in KV_FALLBACK_REASONS:
+            self.kv_load_fallbacks.labels(reason)
 
     def _add_kv_index_metrics(self, r: CollectorRegistry) -> None:
         # The global block index (router/routing/kv_index.py, docs/design.md §5).

@@ -92,13 +92,25 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[str], timeout: float = 30.0) -> list[SpanRow]:
-        """The trace's spans once every name in ``names`` has arrived (AssertionError at
-        the deadline, listing what did)."""
+    def wait_for(
+        self,
+        trace_id: str,
+        names: set[str],
+        outside: str = "",
+        timeout: float = 30.0,
+        complete: bool = True,
+    ) -> list[SpanRow]:
+        """The trace's spans once every name in ``names`` has arrived and every parent but
+        ``outside`` (the client's span) with them: a process exports a span when it ends,
+        so a parent may come after its children (AssertionError at the deadline).
+        ``complete=False``: do not wait for parents (a killed process never sends its
+        open spans)."""
         deadline = time.monotonic() + timeout
         while True:
             spans = self.trace(trace_id)
-            if names <= {s.name for s in spans}:
+            known = {s.span_id for s in spans} | {outside}
+            parents = not complete or all(s.parent_id in known for s in spans)
+            if names <= {s.name for s in spans} and parents:
                 return spans
             if time.monotonic() > deadline:
                 got = sorted((s.service, s.name) for s in spans)
