@@ -68,6 +68,10 @@ class EngineConfig:
     # backend is Triton (engine/executor/mixed_graphs.py; docs/design.md §3 "CUDA graphs").
     mixed_cuda_graphs: bool = True
     mixed_graph_max_tokens: int = 2048
+    # FP8 models on CUDA with the Triton layer ops: quantize each projection's input inside
+    # the RMSNorm / SiLU·mul kernel that makes it (engine/models/triton_fp8_fused.py; the
+    # same bytes, a launch fewer per projection). Off until measured on the GPU kinds.
+    fp8_fused_quant: bool = False
     fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
     # Launch decode step n+1 before step n's tokens reach the host (engine/async_scheduling.py).
     # None: on for CUDA, where the host time it hides is a tenth of a small model's step.

@@ -88,6 +88,11 @@ class ModelRunner:
             deterministic=config.deterministic,
             stage=self.stage if self.stage.size > 1 else None,
         )
+        if config.fp8_fused_quant and config.quantization_scheme() is not None:
+            # The FP8 projections' inputs quantized inside the norm and SiLU kernels.
+            enable = getattr(self.model, "enable_fp8_fusions", None)
+            if enable is None or not enable():
+                logger.info("fp8_fused_quant: not for this model / these layer ops; unfused")
         self.num_blocks = self._size_kv_cache()
         if self.tp.size > 1:
             # Block ids mean the same blocks on every rank: the pool is the smallest one.

@@ -23,6 +23,7 @@ How a projection runs (``fp8_linear``):
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,41 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@dataclass(slots=True)
+class Fp8Act:
+    """A projection's input already quantized per token by the kernel that made it
+    (``triton_fp8_fused.py``); ``Fp8Linear`` takes it in place of a model-dtype tensor."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M] float32: row i is q[i] * scale[i]
+    dtype: torch.dtype  # the model dtype of the projection's output
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def fusable_input(proj: object, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``proj`` would quantize ``x`` per token itself (an ``Fp8Linear`` on CUDA,
+    more rows than the GEMV takes, tensor-core shapes), so the kernel making ``x`` may
+    quantize it instead; ``residual``, when given, must be the norm's dense partner."""
+    return x.is_cuda and fusable_shapes(proj, x, residual)
+
+
+def fusable_shapes(proj: object, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """``fusable_input`` on any device (the CPU tests run the fused kernels interpreted)."""
+    if not (isinstance(proj, Fp8Linear) and x.dim() == 2):
+        return False
+    n, k = proj.weight.shape
+    return (
+        x.shape[0] > _GEMV_ROWS
+        and x.stride(-1) == 1
+        and k % 16 == 0
+        and n % 16 == 0
+        and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))
+    )
+
+
 class Fp8Linear(nn.Module):
     """``x @ W.T + b`` with ``W`` stored as e4m3 and per-output-channel scales (see the
     module docstring). ``ops`` is the model's layer ops: the Triton ones enable the GEMV."""
@@ -85,7 +121,11 @@ class Fp8Linear(nn.Module):
             out.weight_scale.data = scale
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        if isinstance(x, Fp8Act):
+            mm = _mm_quantized if x.q.is_cuda else _reference_mm_quantized
+            y = mm(x.q, x.scale, self.weight, self.weight_scale)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         gemv = self.ops.name == "triton" and getattr(self.ops, "use_gemv", False)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemv=gemv)
 
@@ -132,7 +172,15 @@ def _scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
         xq, x_scale = quantize_rows_triton(rows, FP8_MAX, _MIN_SCALE)
     else:
         xq, x_scale = quantize_rows(rows)
-    config = _tuned_split_k(rows.shape[0], weight)
+    return _mm_quantized(xq, x_scale, weight, scale)
+
+
+def _mm_quantized(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``(xq * x_scale[:, None]) @ (weight * scale[:, None]).T`` in bf16 on CUDA: the
+    split-K Triton GEMM where it was measured faster, else cuBLASLt's row-wise FP8."""
+    config = _tuned_split_k(xq.shape[0], weight)
     if config is not None:
         from engine.models.triton_fp8_gemm import fp8_gemm
 
@@ -157,6 +205,12 @@ def _tuned_split_k(m: int, weight: torch.Tensor) -> Fp8GemmConfig | None:
 def _reference_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What ``_scaled_mm`` computes, in float32 on any device (the CPU path)."""
     xq, x_scale = quantize_rows(rows)
+    return _reference_mm_quantized(xq, x_scale, weight, scale)
+
+
+def _reference_mm_quantized(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     y = torch.nn.functional.linear(xq.float() * x_scale.unsqueeze(1), weight.float())
     return y * scale
 

@@ -20,7 +20,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.tp_group import TPGroup
 from engine.models.config import ModelArgs
-from engine.models.fp8 import Fp8Linear
+from engine.models.fp8 import Fp8Act, Fp8Linear, fusable_input
 from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.moe import MoEBlock
 from engine.models.parallel import Shard, VocabParallelEmbedding, gather_logits
@@ -36,12 +36,14 @@ class LayerLoRA(Protocol):
     def add(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
 
-def _project(ops: LayerOps, proj: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+def _project(ops: LayerOps, proj: nn.Linear | Fp8Linear, x: torch.Tensor | Fp8Act) -> torch.Tensor:
     """``proj(x)`` computed by ``ops`` (a one-launch GEMV at decode batch sizes on a GPU);
     the ``nn.Linear`` only holds the parameters, so weight loading is unchanged. An
-    ``Fp8Linear`` (quantized model, engine/models/fp8.py) picks its own FP8 path."""
+    ``Fp8Linear`` (quantized model, engine/models/fp8.py) picks its own FP8 path, and takes
+    an input its producer already quantized (``Fp8Act``, the fused FP8 kernels)."""
     if isinstance(proj, Fp8Linear):
         return proj(x)
+    assert isinstance(x, torch.Tensor), "only an Fp8Linear takes a quantized input"
     return ops.linear(x, proj.weight, proj.bias)
 
 
@@ -61,6 +63,18 @@ class RMSNorm(nn.Module):
         """Norm of ``residual + x``, and that sum (the residual stream; may reuse
         ``residual``'s storage)."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def quant_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[Fp8Act, torch.Tensor]:
+        """``add_forward`` (``forward`` when ``residual`` is None, the stream then being
+        ``x``) with the norm's output quantized per token for an FP8 projection, in one
+        kernel (engine/models/triton_fp8_fused.py)."""
+        from engine.models.triton_fp8_fused import rms_norm_fp8
+
+        return rms_norm_fp8(x, residual, self.weight, self.eps), (
+            x if residual is None else residual
+        )
 
 
 class Attention(nn.Module):
@@ -99,13 +113,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Act,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = _project(self.rope.ops, self.qkv_proj, x)
         if self.lora is not None:
+            assert isinstance(x, torch.Tensor)
             qkv = self.lora.add("qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -150,16 +165,32 @@ class MLP(nn.Module):
         self.tp = tp
         self.gelu = shard.args.hidden_act == "gelu_tanh"
         self.lora: LayerLoRA | None = None  # set when LoRA is on (engine/lora/slots.py)
+        self.fp8_fused = False  # quantize down_proj's input in the SiLU kernel (fp8.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         gate_up = _project(self.ops, self.gate_up_proj, x)
         if self.lora is not None:
+            assert isinstance(x, torch.Tensor)
             gate_up = self.lora.add("gate_up", x, gate_up)
-        act = gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
+        act = self._act(gate_up)
         out = _project(self.ops, self.down_proj, act)
         if self.lora is not None:
+            assert isinstance(act, torch.Tensor)
             out = self.lora.add("down", act, out)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Act:
+        if self.gelu:
+            return gelu_tanh_mul(gate_up)
+        if (
+            self.fp8_fused
+            and self.lora is None
+            and fusable_input(self.down_proj, gate_up[:, : gate_up.shape[-1] // 2])
+        ):
+            from engine.models.triton_fp8_fused import silu_mul_fp8
+
+            return silu_mul_fp8(gate_up)
+        return self.ops.silu_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -187,6 +218,8 @@ class DecoderLayer(nn.Module):
         # stream (post_attention_layernorm then plays that role), and the MLP's input norm
         # is pre_feedforward_layernorm.
         self.sandwich = args.sandwich_norms
+        # Quantize the FP8 projections' inputs in the norms' kernels (enable_fp8_fusions).
+        self.fp8_fused = False
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
@@ -202,16 +235,28 @@ class DecoderLayer(nn.Module):
         """``x`` is the previous sublayer's output and ``residual`` the stream it adds to
         (None before the first layer). Returns this layer's MLP output and the stream
         without that output added: the next norm adds it, fused with the norm."""
-        if residual is None:
+        attn, mlp = self.self_attn, self.mlp
+        h: torch.Tensor | Fp8Act
+        if self.fp8_fused and attn.lora is None and fusable_input(attn.qkv_proj, x, residual):
+            h, residual = self.input_layernorm.quant_forward(x, residual)
+        elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta)
+        out = attn(h, positions, kv_cache, meta)
         if self.sandwich:
-            h = self.post_attention_layernorm(h)
-            h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            out = self.post_attention_layernorm(out)
+            out, residual = self.pre_feedforward_layernorm.add_forward(out, residual)
+            return self.post_feedforward_layernorm(self.mlp(out)), residual
+        if (
+            self.fp8_fused
+            and isinstance(mlp, MLP)
+            and mlp.lora is None
+            and fusable_input(mlp.gate_up_proj, out, residual)
+        ):
+            h, residual = self.post_attention_layernorm.quant_forward(out, residual)
+        else:
+            h, residual = self.post_attention_layernorm.add_forward(out, residual)
         return self.mlp(h), residual
 
 
@@ -293,6 +338,20 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:  # a model with no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
+
+    def enable_fp8_fusions(self) -> bool:
+        """Quantize each FP8 projection's input inside the kernel that makes it (RMSNorm,
+        SiLU·mul; engine/models/triton_fp8_fused.py) instead of in a launch of its own.
+        Only with the Triton layer ops, whose rounding the fused kernels reproduce; returns
+        whether it is on."""
+        if self.ops.name != "triton":
+            return False
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.fp8_fused = True
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fp8_fused = True
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` (all-gathered from the ranks' vocab slices)."""
