@@ -123,9 +123,31 @@ def _schema_text(schema: Any, name: str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{name} is not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise ValueError(f"{name} nests too deep") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{name} must be a JSON object (a JSON Schema)")
+    _local_refs_only(schema, name)
     return json.dumps(schema, sort_keys=True)
+
+
+def _local_refs_only(schema: dict[str, Any], name: str) -> None:
+    """ValueError for a ``$ref`` that is not local (``#...``): an ``http://`` or
+    ``file://`` reference would have a grammar compiler fetch or read it (as OpenAI,
+    only references within the schema are served)."""
+    stack: list[Any] = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                raise ValueError(
+                    f"{name}: $ref {ref[:100]!r} is not supported; only references within "
+                    "the schema (#/...) are"
+                )
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _non_empty(text: Any, name: str) -> str:

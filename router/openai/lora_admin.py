@@ -57,8 +57,9 @@ class LoRASync:
     async def load(self, name: str, path: str) -> int:
         """Load on every instance; the number that serve it now. 400 with the instance's
         reason when it refused the adapter; 503 when none could be reached."""
+        instances = self.instances()
         results = await asyncio.gather(
-            *(_call(i, "LoadLoRAAdapter", lora_name=name, lora_path=path) for i in self.instances())
+            *(_call(i, "LoadLoRAAdapter", lora_name=name, lora_path=path) for i in instances)
         )
         refused = [e for e in results if isinstance(e, grpc.aio.AioRpcError) and _is_bad(e)]
         if refused and "already loaded" not in str(refused[0].details()):
@@ -68,6 +69,9 @@ class LoRASync:
             raise APIError(503, "no instance could load the adapter; retry later")
         self.loaded[name] = path
         self.unloaded.discard(name)
+        for inst, result in zip(instances, results, strict=True):
+            if not isinstance(result, BaseException) or result in refused:
+                inst.note_adapter(name, served=True)
         return done
 
     async def unload(self, name: str) -> None:
@@ -76,9 +80,13 @@ class LoRASync:
             raise APIError(404, f"LoRA adapter {name!r} is not loaded", param="lora_name")
         self.loaded.pop(name, None)
         self.unloaded.add(name)
-        await asyncio.gather(
-            *(_call(i, "UnloadLoRAAdapter", lora_name=name) for i in self.instances())
+        instances = self.instances()
+        results = await asyncio.gather(
+            *(_call(i, "UnloadLoRAAdapter", lora_name=name) for i in instances)
         )
+        for inst, result in zip(instances, results, strict=True):
+            if not isinstance(result, BaseException):
+                inst.note_adapter(name, served=False)
 
     def on_polled(self, inst: Instance) -> None:
         """After a passing health poll: push the runtime set where it differs."""

@@ -200,6 +200,13 @@ class ChatMessage(BaseModel):
                     )
         return content
 
+    @model_validator(mode="after")
+    def _tool_turn_names_its_call(self) -> ChatMessage:
+        # As OpenAI: a tool result answers one earlier call, named by its id.
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id")
+        return self
+
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (router/tools/template.py)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}

@@ -106,6 +106,16 @@ class Instance:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     missed: int = 0  # consecutive checks that missed their deadline (module docstring)
 
+    def note_adapter(self, name: str, served: bool) -> None:
+        """A LoRA load or unload this instance just confirmed, ahead of the next GetLoad
+        (router/openai/lora_admin.py): the adapter answers as soon as its load returns."""
+        have = [a for a in self.load.lora_adapters if a != name]
+        self.load.lora_adapters = (*have, name) if served else tuple(have)
+        if not served:
+            self.load.resident_lora_adapters = tuple(
+                a for a in self.load.resident_lora_adapters if a != name
+            )
+
     def load_score(self) -> float:
         return self.load.waiting * 4 + self.load.running + self.sent_since_poll
 

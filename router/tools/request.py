@@ -22,7 +22,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router.errors import bad_request
 from router.tools.parsers import ToolParser, parser_class
@@ -59,6 +59,16 @@ class NamedToolChoice(_Strict):
 class FunctionCallIn(_Strict):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, arguments: str) -> str:
+        # As OpenAI: an earlier call's arguments are the JSON text the model produced.
+        try:
+            json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError("must be the function's arguments as a JSON string") from None
+        return arguments
 
 
 class ToolCallIn(_Strict):
