@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 import uuid
 from typing import Any
 
@@ -39,10 +41,23 @@ def load_nixl() -> Any:
     """The NIXL Python module; ``RuntimeError`` saying how to install it when absent."""
     for name in NIXL_MODULES:
         try:
-            return importlib.import_module(name)
+            mod = importlib.import_module(name)
         except ImportError:
             continue
+        _route_logs()
+        return mod
     raise RuntimeError(INSTALL_HINT)
+
+
+def _route_logs() -> None:
+    """NIXL's Python logger writes INFO lines to stdout; a service's stdout is not a log
+    (tools read it), so they go to stderr, from WARNING (``NIXL_LOG_LEVEL`` still rules)."""
+    nixl_log = logging.getLogger("nixl")
+    for handler in nixl_log.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
 
 
 def nixl_available() -> bool:

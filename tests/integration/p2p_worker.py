@@ -18,6 +18,7 @@ Prints ``{"address": ...}`` once ready, then one JSON line per command:
 - ``pull`` {request_id, address, transfer_id, block_ids, hashes, start_block,
   src_seed?, src_ids?} → {ok, loaded, reason, bytes, equal} (equal: the blocks match those of
   a cache made from ``src_seed``, compared bit for bit)
+- ``pull_many`` {pulls: [pull, ...]} → {pulls: [reply, ...]} (all started, then awaited)
 - ``abort`` {request_id} → {found}
 - ``stats`` → {p2p, generic, releases}; ``wait_released`` {count, timeout} → same, once
   ``count`` release results have come (or the timeout passed)
@@ -151,6 +152,37 @@ def main() -> None:
         }
         return {"p2p": p2p, "generic": generic, "releases": releases}
 
+    def begin(cmd: dict[str, Any]) -> tuple[KVTransfer, float]:
+        hashes = [bytes.fromhex(h) for h in cmd["hashes"]]
+        ids = cmd["block_ids"]
+        t = KVTransfer(cmd["request_id"], [], hashes, ids, [layout.block_size] * len(ids))
+        t.start_block = cmd.get("start_block", 0)
+        t.source_address, t.transfer_id = cmd["address"], cmd["transfer_id"]
+        t0 = time.monotonic()
+        conn.start_load(t)
+        return t, t0
+
+    def finish(cmd: dict[str, Any], started: tuple[KVTransfer, float]) -> dict[str, Any]:
+        t, t0 = started
+        got = claim(t.request_id, "load", cmd.get("wait_s", 120.0))
+        r = got or TransferResult(t.request_id, "load", False, failure_reason="no-result")
+        equal = None
+        if cmd.get("src_seed") is not None and r.num_loaded_blocks:
+            src = make_cache(layout, cmd["src_blocks"], cmd["src_seed"], "cpu")
+            n, start = r.num_loaded_blocks, t.start_block
+            dst_ids = t.block_ids[start : start + n]
+            src_ids = cmd["src_ids"][start : start + n]
+            equal = torch.equal(_bits(kv[:, :, dst_ids]), _bits(src[:, :, src_ids]))
+        return {
+            "ok": r.ok,
+            "loaded": r.num_loaded_blocks,
+            "reason": r.failure_reason,
+            "error": r.error,
+            "bytes": r.bytes_moved,
+            "equal": equal,
+            "seconds": time.monotonic() - t0,
+        }
+
     print(json.dumps({"address": conn.address}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -169,32 +201,10 @@ def main() -> None:
                 "held": save.held,
             }
         elif op == "pull":
-            hashes = [bytes.fromhex(h) for h in cmd["hashes"]]
-            ids = cmd["block_ids"]
-            t = KVTransfer(cmd["request_id"], [], hashes, ids, [layout.block_size] * len(ids))
-            t.start_block = cmd.get("start_block", 0)
-            t.source_address, t.transfer_id = cmd["address"], cmd["transfer_id"]
-            t0 = time.monotonic()
-            conn.start_load(t)
-            got = claim(t.request_id, "load", cmd.get("wait_s", 120.0))
-            r = got or TransferResult(t.request_id, "load", False, failure_reason="no-result")
-            equal = None
-            if cmd.get("src_seed") is not None and r.num_loaded_blocks:
-                src = make_cache(layout, cmd["src_blocks"], cmd["src_seed"], "cpu")
-                n = r.num_loaded_blocks
-                start = t.start_block
-                dst_ids = ids[start : start + n]
-                src_ids = cmd["src_ids"][start : start + n]
-                equal = torch.equal(_bits(kv[:, :, dst_ids]), _bits(src[:, :, src_ids]))
-            reply = {
-                "ok": r.ok,
-                "loaded": r.num_loaded_blocks,
-                "reason": r.failure_reason,
-                "error": r.error,
-                "bytes": r.bytes_moved,
-                "equal": equal,
-                "seconds": time.monotonic() - t0,
-            }
+            reply = finish(cmd, begin(cmd))
+        elif op == "pull_many":  # all started before any is awaited: the pulls overlap
+            started = [begin(c) for c in cmd["pulls"]]
+            reply = {"pulls": [finish(c, t) for c, t in zip(cmd["pulls"], started)]}
         elif op == "abort":
             reply = {"found": conn.release_held(cmd["request_id"])}
         elif op == "stats":
