@@ -190,9 +190,9 @@ Kubernetes' $(VAR) expansion; external Redis with urlSecret = the whole URL from
 {{- end }}
 {{- end }}
 
-{{/* The store in use: connector.type, or with p2p the store beside it ("none": p2p alone). */}}
+{{/* The store in use: connector.type, or with a handoff (p2p, nixl) the store beside it ("none": the handoff alone). */}}
 {{- define "pdserve.storeKind" -}}
-{{- if eq .Values.connector.type "p2p" }}{{ .Values.connector.p2p.store }}{{ else }}{{ .Values.connector.type }}{{ end }}
+{{- if has .Values.connector.type (list "p2p" "nixl") }}{{ .Values.connector.p2p.store }}{{ else }}{{ .Values.connector.type }}{{ end }}
 {{- end }}
 
 {{/* Claim name of the shared fs KV volume. */}}
