@@ -126,6 +126,10 @@ class Puller:
         t = pull.transfer
         assert pull.src_ids is not None
         done = {"op": "done", "lease": pull.lease_id, "pull": pull.pull_id}
+        if not pull.src_ids:  # nothing to read (all cached here, or aborted): just release
+            self._agent.notify(sender, pack(done, self._token))
+            self._succeed(pull)
+            return
         try:
             pull.handle, status = self._agent.read(
                 pull.card, pull.src_ids, t.block_ids[t.start_block :], pack(done, self._token)
@@ -157,7 +161,8 @@ class Puller:
 
     # -- ends -----------------------------------------------------------------------------------
     def _succeed(self, pull: Pull) -> None:
-        self._agent.release(pull.handle)
+        if pull.handle is not None:
+            self._agent.release(pull.handle)
         del self._pulls[pull.pull_id]
         t = pull.transfer
         n = len(t.block_ids) - t.start_block

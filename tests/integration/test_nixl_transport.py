@@ -51,6 +51,12 @@ def test_overlapping_pulls_are_bit_exact(workers: Any) -> None:
     # Pulled once: a retried pull is refused (stale), and the pair still works.
     again = decode.call("pull", **pulls[0])
     assert not again["ok"] and again["reason"] == "missing" and again["loaded"] == 0
+    # A decode that needs none of the blocks (all cached) still releases the hold at once.
+    offer = prefill.offer("none", SRC)
+    got = decode.call("pull", **decode.pull_args(prefill, offer, "none", SRC, DST, start_block=7))
+    assert got["ok"] and got["loaded"] == 0 and got["bytes"] == 0, got
+    assert prefill.call("wait_released", count=5, timeout=10)["releases"][-1]["ok"]
+    assert held(prefill) == (0, 0, 0)
 
 
 def test_a_peer_without_the_token_is_refused(workers: Any) -> None:
