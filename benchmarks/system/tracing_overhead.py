@@ -7,16 +7,20 @@ process (tests/otlp_receiver.py).
     # ~3 min; writes benchmarks/results/system/tracing_overhead.json
 
 Per round, alternating which service goes first (a shared machine's noise hits both
-alike): ``--streams`` concurrent greedy 32-token ``Decode`` streams, each with a
-``traceparent`` in its metadata (the untraced service ignores it). The engine's step loop
-batches them, so tokens per second over the round is the step loop's rate; a single
-stream's time is what one request sees. Medians of per-round values; read the ratios.
+alike): one greedy 32-token ``Decode`` stream, then ``--streams`` concurrent ones, each
+with a ``traceparent`` in its metadata (the untraced service ignores it). The engine's
+step loop batches them, so tokens per second over the round is the step loop's rate; a
+single stream's time is what one request sees; the service process's CPU time (every
+thread: the step loop, gRPC, the spans and their exporter) per token is the cost least
+disturbed by other jobs on the machine. Medians of per-round values and the best round
+of each; read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import secrets
 import statistics
@@ -63,15 +67,27 @@ def one_stream(stub: Any, seed: int) -> float:
     return time.perf_counter() - t
 
 
-def one_round(address: str, streams: int, seed: int) -> dict[str, float]:
-    with grpc.insecure_channel(address) as channel:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid``, every thread (the engine's included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(svc: ServiceProcess, streams: int, seed: int) -> dict[str, float]:
+    cpu = cpu_seconds(svc.proc.pid)
+    with grpc.insecure_channel(svc.address) as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
         single = one_stream(stub, seed)
         t = time.perf_counter()
         with ThreadPoolExecutor(streams) as pool:
             list(pool.map(lambda i: one_stream(stub, seed * 1000 + i), range(streams)))
         wall = time.perf_counter() - t
-    return {"single_stream_s": single, "batch_tokens_per_s": streams * STREAM.max_tokens / wall}
+    tokens = (streams + 1) * STREAM.max_tokens
+    return {
+        "single_stream_s": single,
+        "batch_tokens_per_s": streams * STREAM.max_tokens / wall,
+        "service_cpu_ms_per_token": (cpu_seconds(svc.proc.pid) - cpu) * 1e3 / tokens,
+    }
 
 
 def main() -> int:
@@ -82,6 +98,7 @@ def main() -> int:
     parser.add_argument("--md", type=Path, help="also write the markdown report here")
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="tracing-bench-") as tmp, OtlpReceiver() as receiver:
         root = Path(tmp)
         model = make_tiny_llama(root / "model")
@@ -93,7 +110,7 @@ def main() -> int:
             for r in range(args.rounds + 1):  # round 0 warms both up
                 order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
                 for name in order:
-                    row = one_round(services[name].address, args.streams, r)
+                    row = one_round(services[name], args.streams, r)
                     if r:
                         results[name].append(row)
         finally:
@@ -104,6 +121,14 @@ def main() -> int:
         name: {k: statistics.median(row[k] for row in rows) for k in rows[0]}
         for name, rows in results.items()
     }
+    # The least disturbed round of each: a shared machine's load only ever slows a round
+    # (throughput takes the best, i.e. highest, round; times the lowest).
+    best = {
+        name: {
+            k: (max if k == "batch_tokens_per_s" else min)(row[k] for row in rows) for k in rows[0]
+        }
+        for name, rows in results.items()
+    }
     ratio = {k: summary["on"][k] / summary["off"][k] for k in summary["off"]}
     data = {
         "command": recorded_command("benchmarks.system.tracing_overhead"),
@@ -111,31 +136,48 @@ def main() -> int:
         "rounds": args.rounds,
         "streams": args.streams,
         "spans_received": spans,
+        "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         "median": summary,
+        "best": best,
         "ratio_on_over_off": ratio,
+        # The spans are per call, not per token: the added CPU per Decode call.
+        "added_cpu_ms_per_call": round(
+            (summary["on"]["service_cpu_ms_per_token"] - summary["off"]["service_cpu_ms_per_token"])
+            * STREAM.max_tokens,
+            2,
+        ),
         "raw": results,
     }
     args.json.write_text(json.dumps(data, indent=1) + "\n")
-    table = _table(results, summary, ratio)
+    table = _table(results, summary, best, ratio)
     print(table)
     if args.md:
         args.md.write_text(_report(data, table))
     return 0
 
 
-def _table(results: dict[str, Any], summary: dict[str, Any], ratio: dict[str, float]) -> str:
-    lines = ["| measure | tracing off | tracing on | ratio | paired ratio, min–max |"]
-    lines.append("|---|---|---|---|---|")
+def _table(
+    results: dict[str, Any], summary: dict[str, Any], best: dict[str, Any], ratio: dict[str, float]
+) -> str:
+    lines = [
+        "| measure | off (median) | on (median) | ratio | paired ratio, min–max "
+        "| off (best round) | on (best round) | ratio |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
     labels = {
-        "batch_tokens_per_s": "concurrent streams, tokens/s",
-        "single_stream_s": "one 32-token stream (ms)",
+        "service_cpu_ms_per_token": ("service CPU per token (ms)", 1.0),
+        "batch_tokens_per_s": ("concurrent streams, tokens/s", 1.0),
+        "single_stream_s": ("one 32-token stream (ms)", 1e3),
     }
-    for key, label in labels.items():
-        scale = 1e3 if key.endswith("_s") else 1.0
+    for key, (label, scale) in labels.items():
         a, b = summary["off"][key] * scale, summary["on"][key] * scale
         pairs = [y[key] / x[key] for x, y in zip(results["off"], results["on"], strict=True)]
         spread = f"{min(pairs):.2f}–{max(pairs):.2f}"
-        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {ratio[key]:.3f} | {spread} |")
+        c, d = best["off"][key] * scale, best["on"][key] * scale
+        lines.append(
+            f"| {label} | {a:.2f} | {b:.2f} | {ratio[key]:.3f} | {spread} | {c:.2f} | {d:.2f} "
+            f"| {d / c:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -143,18 +185,25 @@ def _report(data: dict[str, Any], table: str) -> str:
     return f"""# Tracing overhead on a decode service
 
 Command: `{data["command"]}` (repository root; `.venv`), on `{data["machine"]}`,
-a shared 2-core machine. {data["rounds"]} rounds alternating the two decode services
-(tiny random Llama, 1 torch thread each), medians of per-round values; per round one
+a shared 2-core machine (1-minute load average {data["load_average_1m"][0]} at the start,
+{data["load_average_1m"][1]} at the end: other jobs ran throughout). {data["rounds"]} rounds alternating the two decode services
+(tiny random Llama, 1 torch thread each), medians of per-round values and the best round
+of each; per round one
 stream alone, then {data["streams"]} concurrent streams. The traced service exported
 {data["spans_received"]} spans to the receiver.
 
 {table}
 
 The engine's step loop does no tracing work: the service emits a call's spans when it
-ends, from the timings its chunks already carry (service/spans.py). What tracing
-adds is that span work and the exporter's batches, on the service's process. Read the
-ratios with their spread: one that straddles 1 is the machine's noise. With tracing off
-nothing of OpenTelemetry is imported (tests/unit/test_tracing.py).
+ends, from the timings its chunks already carry (service/spans.py). What tracing adds is
+that span work and the exporter's batches (OTLP/gRPC, on a thread of the service's
+process): per call, not per token or per step — the medians put it at
+{data["added_cpu_ms_per_call"]} ms of CPU per 32-token Decode call. On this tiny model a
+token costs under 1 ms of CPU, so the same cost is a visible fraction here; beside a real
+model's forward it is a smaller one (not measured here). The wall-clock measures straddle 1 widely (the paired
+ratios): on this machine they are the other jobs' noise, not tracing. With tracing off
+nothing of OpenTelemetry is imported and no span is made (tests/unit/test_tracing.py);
+what remains is one async-generator hop per chunk in the servicer.
 """
 
 
