@@ -27,6 +27,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor import ExecutorFailure
 from engine.kv.events import Held, KvEventPublisher, snapshot_held
 from engine.llm_engine import LLMEngine
+from engine.models import ModelArgs
 from engine.stats import EngineStats, LoadStats
 from kv_store.base import KVConnector, KvLayout
 
@@ -87,6 +88,11 @@ class AsyncLLMEngine:
     @property
     def kv_layout(self) -> KvLayout:
         return self.engine.kv_layout
+
+    @property
+    def args(self) -> ModelArgs:
+        """The model's (global) shape: a handle of another grid is re-cut with it."""
+        return self.engine.args
 
     @property
     def max_model_len(self) -> int:

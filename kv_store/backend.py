@@ -33,7 +33,8 @@ class StorageBackend(abc.ABC):
 
     def limit_value_bytes(self, max_bytes: int) -> None:  # noqa: B027 - optional hook
         """No valid value is larger than ``max_bytes`` (the connector's largest record): a
-        backend may refuse to read larger ones (the fs store does, unread)."""
+        backend may refuse to read larger ones (the fs store does, unread). A later call
+        may raise the bound, never lower it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

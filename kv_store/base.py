@@ -69,7 +69,8 @@ class KVTransfer:
     ``block_hashes[i]`` / ``block_ids[i]`` / ``block_num_tokens[i]`` describe block ``i`` of
     the request (the last one may be partial). Only blocks ``start_block..`` are moved.
     A load from a peer (p2p) also names where the blocks are held: ``source_address``
-    (host:port of the prefill instance) and ``transfer_id`` (its lease).
+    (host:port of the prefill instance) and ``transfer_id`` (its lease). ``reshard``:
+    the prefill split the blocks over another grid (``kv_store/reshard.py``).
     """
 
     request_id: str
@@ -80,6 +81,9 @@ class KVTransfer:
     start_block: int = 0
     source_address: str = ""
     transfer_id: str = ""
+    # A load of blocks another grid split (its tensor- or pipeline-parallel sizes differ):
+    # ``kv_store.reshard.Reshard`` as JSON, None for this grid's own (docs/design.md §3).
+    reshard: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

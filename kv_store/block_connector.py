@@ -217,6 +217,8 @@ class BlockStoreConnector(AsyncConnectorBase):
         return nbytes
 
     def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
+        if t.reshard is not None:
+            return self._load_resharded(t, deadline)
         idx = list(range(t.start_block, len(t.block_hashes)))
         keys = block_keys(self._fingerprint, [t.block_hashes[i] for i in idx])
         res = TransferResult(t.request_id, "load", True, keys=keys)
@@ -243,6 +245,27 @@ class BlockStoreConnector(AsyncConnectorBase):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         finally:
             self._settle(t, futures)
+        self.counters.record_load(res.num_loaded_blocks, res.bytes_moved)
+        return res
+
+    def _load_resharded(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
+        """A load of blocks another grid split (``kv_store/reshard_load.py``), on this
+        transfer's worker thread: it reads several records per block."""
+        from kv_store.reshard_load import load_resharded
+
+        kv, layout = self._bound()
+        res = TransferResult(t.request_id, "load", True)
+        try:
+            loaded, nbytes, failure = load_resharded(
+                self.backend, kv, layout, t, self.mac, self.batch_blocks, deadline
+            )
+            res.num_loaded_blocks, res.bytes_moved = loaded, nbytes
+            if failure is not None:
+                res.ok, (res.failure_reason, res.error) = False, failure
+        except KVStoreError as e:
+            res.ok, res.error, res.failure_reason = False, str(e), e.reason
+        except TransferDeadline:
+            res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         self.counters.record_load(res.num_loaded_blocks, res.bytes_moved)
         return res
 

@@ -121,8 +121,12 @@ class FsBackend(VectoredBackend):
         return self.ttl_s is not None and now - mtime > self.ttl_s
 
     def limit_value_bytes(self, max_bytes: int) -> None:
-        """Refuse (and remove) anything at a record path larger than ``max_bytes``."""
-        self.max_value_bytes = max_bytes
+        """Refuse (and remove) anything at a record path larger than ``max_bytes``. Only
+        ever raised after it is set: a load re-cut from another grid reads that grid's
+        records, which may be larger than this process's own (docs/design.md §3 "KV
+        between unlike grids"), and must not have them removed as oversized."""
+        if self.max_value_bytes is None or max_bytes > self.max_value_bytes:
+            self.max_value_bytes = max_bytes
 
     # -- StorageBackend ---------------------------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:

@@ -172,7 +172,9 @@ class TPConnector(KVConnectorWorker):
         """A p2p handle names every rank's source; rank r pulls entry r. A handle listing
         another number of ranks fails the load (reason ``layout``): never a wrong shard."""
         extra: dict[str, Any] = {}
-        if transfer.transfer_id:
+        # A re-cut load (another grid) names the prefill grid's sources: every rank reads
+        # the whole list and pulls what it needs (kv_store/p2p/reshard_pull.py).
+        if transfer.transfer_id and transfer.reshard is None:
             sources = split_ranks(transfer.source_address, self.size)
             ids = split_ranks(transfer.transfer_id, self.size)
             if sources is None or ids is None:

@@ -57,6 +57,8 @@ class TPRankWorker:
         if op not in ("save", "load"):
             raise ValueError(f"unknown KV message {op!r}")
         t = transfer_from_json(msg["transfer"])
+        if t.reshard is not None:  # a load re-cut from another grid: this rank's part of it
+            t.reshard = dict(t.reshard, dest_rank=self.rank)
         if "sources" in msg:  # p2p: this rank pulls from the same rank of the source
             t.source_address = msg["sources"][self.rank]
             t.transfer_id = msg["transfer_ids"][self.rank]

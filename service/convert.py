@@ -113,28 +113,21 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
     Reading blocks of another model, layout, dtype or block size would silently produce
     garbage, so an incompatible handle is always refused (whatever ``--kv-load-failure``
     says): it means the prefill and decode pools are misconfigured, which recomputing
-    would hide.
+    would hide. A handle of the same model split over another tensor- or pipeline-parallel
+    grid is taken: the load re-cuts its blocks (``handle_reshard``).
     """
     mine = kv_handle_fields(engine)
     theirs = {key: getattr(handle, key) for key in mine}
     diffs = [f"{key} {theirs[key]!r} != {mine[key]!r}" for key in mine if theirs[key] != mine[key]]
+    if diffs == [
+        f"model_fingerprint {theirs['model_fingerprint']!r} != {mine['model_fingerprint']!r}"
+    ]:
+        try:
+            handle_reshard(handle, engine)
+            diffs = []
+        except ValueError as e:
+            diffs = [str(e)]
     if diffs:
-        from engine.kv.fingerprint import pipeline_parallel_size_of, tensor_parallel_size_of
-
-        # Each rank's blocks hold only its KV heads, each stage's only its layers.
-        for name, size_of in (
-            ("pipeline_parallel_size", pipeline_parallel_size_of),
-            ("tensor_parallel_size", tensor_parallel_size_of),
-        ):
-            theirs_n = size_of(handle.model_fingerprint)
-            mine_n = size_of(engine.model_fingerprint)
-            if theirs_n != mine_n:
-                flag = "--" + name.replace("_", "-")
-                diffs.insert(
-                    0,
-                    f"{name} {theirs_n} (prefill) != {mine_n} (this decode instance); run "
-                    f"both pools with the same {flag}",
-                )
         raise IncompatibleKvHandle(
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)
@@ -160,7 +153,25 @@ def kv_handle(engine: Any, saved: KvSaveResult, connector: str) -> pb.KvHandle:
     )
 
 
-def remote_kv_from_handle(handle: pb.KvHandle, prompt_len: int) -> RemoteKV:
+def handle_reshard(handle: pb.KvHandle, engine: Any) -> dict[str, Any] | None:
+    """How this engine's loads re-cut a handle of another grid (JSON, None for its own);
+    ValueError naming both sides when they cannot (docs/design.md §3, "KV between unlike
+    grids")."""
+    from engine.kv.reshard import plan_reshard
+
+    config = engine.config
+    reshard = plan_reshard(
+        handle.model_fingerprint,
+        engine.model_fingerprint,
+        engine.args,
+        config.pipeline_parallel_size,
+        config.tensor_parallel_size,
+        handle.connector,
+    )
+    return None if reshard is None else reshard.to_json()
+
+
+def remote_kv_from_handle(handle: pb.KvHandle, prompt_len: int, engine: Any) -> RemoteKV:
     """The engine's ``RemoteKV`` for a (compatible) handle; ValueError when it covers more
     tokens than the prompt has."""
     from engine.core.request import RemoteKV
@@ -174,4 +185,5 @@ def remote_kv_from_handle(handle: pb.KvHandle, prompt_len: int) -> RemoteKV:
         int(handle.num_tokens),
         handle.source_address,
         handle.transfer_id,
+        handle_reshard(handle, engine),
     )

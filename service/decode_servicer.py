@@ -70,7 +70,7 @@ class DecodeServicer(SharedRpcs, pb_grpc.DecodeServiceServicer):
                     f"kv_handle was computed with LoRA adapter {handle.lora_identity or 'none'!r}"
                     f", this request runs {mine or 'none'!r} here"
                 )
-            remote_kv = remote_kv_from_handle(handle, len(prompt))
+            remote_kv = remote_kv_from_handle(handle, len(prompt), core.engine)
         request_id = core.new_request_id(request.request_id)
         return request_id, prompt, generated, params, remote_kv
 

@@ -48,6 +48,9 @@ class RemoteKV:
     num_tokens: int
     source_address: str = ""
     transfer_id: str = ""
+    # The prefill's grid differs from this engine's: how the load re-cuts its blocks
+    # (``kv_store.reshard.Reshard`` as JSON; docs/design.md §3 "KV between unlike grids").
+    reshard: dict[str, Any] | None = None
 
 
 @dataclass(eq=False, slots=True)

@@ -1,9 +1,9 @@
 """Model fingerprint: identifies KV compatibility across processes and machines.
 
 It covers the model's config, the identity of its weights, the model dtype, the KV cache
-dtype (when not the model's), the block size, the KV layout version and (when above 1) the
-tensor-parallel size, which also ends it as ``-tp{N}``, and (when above 1) the
-pipeline-parallel size, spelled ``-pp{P}`` before it (docs/design.md §3). Weights are
+dtype (when not the model's), the block size and the KV layout version; when above 1 the
+tensor-parallel size ends it as ``-tp{N}`` and the pipeline-parallel size as ``-pp{P}``
+before it (docs/design.md §3): a split, not another KV, so it is not hashed. Weights are
 identified by file names, sizes, the safetensors headers and a sample of tensor bytes
 (hashing many GB at every start would be too slow). ``kv_layout`` is the other half of
 compatibility: the shape of the blocks that records and handles carry.
@@ -30,15 +30,12 @@ def model_fingerprint(config: EngineConfig) -> str:
         # An fp8 cache's blocks are other bytes than the model dtype's: their store keys
         # must differ (auto keeps its old value, so existing records stay valid).
         h.update(f"kv:{config.kv_cache_dtype_name}|".encode())
-    tp = config.tensor_parallel_size
-    if tp > 1:
-        # Each rank's cache holds only its KV heads: blocks of another split are not
-        # interchangeable, so a handle from it must not match (N = 1 keeps its old value).
-        h.update(f"tp{tp}|".encode())
-    pp = config.pipeline_parallel_size
-    if pp > 1:
-        # Each stage's cache holds only its layers: the same P splits them the same way.
-        h.update(f"pp{pp}|".encode())
+    # The tensor- and pipeline-parallel sizes are not hashed: they only say how the blocks
+    # are split over a grid's processes, which the suffix spells out, so two pools of one
+    # model share the hash part and a decode of another split can re-cut the prefill's
+    # blocks (``base_fingerprint``, engine/kv/reshard.py; docs/design.md §3 "KV between
+    # unlike grids"). Store keys still differ per split: the suffix is part of them.
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.quantization:
         # Weights quantized at load compute other KV than the checkpoint's own precision.
         h.update(f"q:{config.quantization}|".encode())
@@ -69,6 +66,12 @@ def kv_layout(config: EngineConfig, args: ModelArgs, num_kv_heads: int) -> KvLay
         num_kv_heads,
         args.head_dim,
     )
+
+
+def base_fingerprint(fingerprint: str) -> str:
+    """The part of a fingerprint that names the model, dtypes, block size and layout: equal
+    for two engines whose blocks hold the same KV, however each splits it over its grid."""
+    return fingerprint.split("-", 1)[0]
 
 
 def tensor_parallel_size_of(fingerprint: str) -> int:

@@ -118,6 +118,7 @@ class KVTransferCoordinator:
         if request.remote_kv is not None:
             t.source_address = request.remote_kv.source_address
             t.transfer_id = request.remote_kv.transfer_id
+            t.reshard = request.remote_kv.reshard
         return t
 
     # -- consumer -------------------------------------------------------------------------
@@ -248,6 +249,7 @@ class KVTransferCoordinator:
                 assert remote is not None
                 drop = KVTransfer(f"{request.request_id}#drop", [], [], [], [])
                 drop.source_address, drop.transfer_id = remote.source_address, remote.transfer_id
+                drop.reshard = remote.reshard  # another grid's leases: each process ends its own
                 self.connector.start_load(drop)
             return True
         if request.request_id in self._loading:

@@ -43,6 +43,7 @@ class PullJob:
     transfer_id: str
     deadline: float
     ready: Any = None  # CUDA event after which the destination blocks may be written
+    pullers: int = 1  # decode processes sharing the lease (a re-cut from another grid)
 
 
 @dataclass(slots=True)
@@ -149,6 +150,8 @@ class PeerLink:
                 "start_block": t.start_block,
                 "hashes": hashes,
             }
+            if job.pullers > 1:
+                pull["pullers"] = job.pullers
             send_msg(sock, pull, job.deadline)
             meta = recv_msg(sock, job.deadline)
             if meta.get("op") == "meta" and not meta.get("ok", False):

@@ -94,6 +94,7 @@ class P2PConnector(KVConnector):
         self._results = ResultQueue()
         self.leases = LeaseTable(lease_s, self.p2p, self._lease_ended)
         self._kv: torch.Tensor | None = None
+        self._layout: KvLayout | None = None
         self._server: PullServer | None = None
         self._link_config: LinkConfig | None = None
         self._links: dict[str, PeerLink] = {}
@@ -134,7 +135,7 @@ class P2PConnector(KVConnector):
             "head_dim": layout.head_dim,
         }
         identity = device_identity(kv_cache.device)
-        self._kv = kv_cache
+        self._kv, self._layout = kv_cache, layout
         serve = ServeConfig(
             kv_cache,
             layout_dict,
@@ -196,6 +197,13 @@ class P2PConnector(KVConnector):
             result = TransferResult(transfer.request_id, "load", False, failure_reason="missing")
             result.error = "the KV handle names no p2p source (source_address, transfer_id)"
             self._results.put(result)
+            return
+        if transfer.reshard is not None:  # blocks another grid split: pull and re-cut them
+            from kv_store.p2p.reshard_pull import ReshardPull
+
+            assert self._link_config is not None and self._layout is not None
+            lc, layout = self._link_config, self._layout
+            ReshardPull(transfer, kv, layout, lc, self.p2p, self._results.put, self.timeout_s)
             return
         job = PullJob(
             transfer, transfer.transfer_id, time.monotonic() + self.timeout_s, record_ready(kv)

@@ -7,6 +7,11 @@ request was aborted on the prefill side) or ``closed`` (the connector shut down)
 it ends does the engine free the blocks, so a pull in progress (the lease is *pinned*)
 always reads live blocks: an abort or an expiry that falls during a pull takes effect when
 the pull finishes, and the puller is then told the data is void.
+
+A lease is pulled by one decode process, or, when a decode of another grid re-cuts the
+blocks (docs/design.md §3 "KV between unlike grids"), by several that each need part of
+them: the first pull says how many (``pullers``), they may pull at once, and the lease ends
+as ``pulled`` when the last of them has.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class Lease:
     block_hashes: list[bytes]
     expires_at: float
     ready: Any = None  # CUDA event: the KV is written (None on the CPU)
-    pinned: bool = False
+    pinned: int = 0  # pulls in progress (more than one only for a shared lease)
+    pulls_left: int = 0  # pulls still to finish before it ends as pulled (0: none yet)
     void: str | None = None  # set while pinned: the end reason to apply when unpinned
 
 
@@ -72,16 +78,19 @@ class LeaseTable:
             self._end_by_id(old, "aborted")
         return lease
 
-    def pin(self, transfer_id: str) -> Lease:
-        """Claim a lease for a pull; ``PeerError`` (``missing`` / ``busy``) when it has ended,
-        never existed, or another pull has it."""
+    def pin(self, transfer_id: str, pullers: int = 1) -> Lease:
+        """Claim a lease for a pull, one of ``pullers`` that share it; ``PeerError``
+        (``missing`` / ``busy``) when it has ended, never existed, or another pull has it
+        and the lease is not shared."""
         with self._lock:
             lease = self._by_id.get(transfer_id)
             if lease is None or lease.void is not None or time.monotonic() >= lease.expires_at:
                 raise PeerError(f"no held KV under transfer id {transfer_id!r}", "missing")
-            if lease.pinned:
+            if lease.pulls_left == 0:
+                lease.pulls_left = pullers
+            if lease.pinned and (pullers == 1 or lease.pulls_left <= lease.pinned):
                 raise PeerError(f"transfer {transfer_id!r} is being pulled already", "busy")
-            lease.pinned = True
+            lease.pinned += 1
         self._counters.pinned(+1)
         return lease
 
@@ -90,10 +99,16 @@ class LeaseTable:
         ``end`` is None (the pull failed; another may come until expiry). An abort or expiry
         that arrived during the pull wins. Returns the reason the lease ended, if it did."""
         with self._lock:
-            lease.pinned = False
+            lease.pinned -= 1
+            if end == "pulled":
+                lease.pulls_left -= 1
+                if lease.pulls_left > 0:
+                    end = None  # another puller's part is still to come
             reason = lease.void or end
             if reason is None and time.monotonic() >= lease.expires_at:
                 reason = "expired"
+            if lease.pinned:
+                reason = None  # the last pull in progress ends it
             if reason is not None:
                 self._drop(lease)
         self._counters.pinned(-1)

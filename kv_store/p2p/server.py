@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 # A hello (layout, fingerprint, device identity, nonce, proof) is a few hundred bytes; an
 # unauthenticated peer gets no more than this allocated for it.
 HELLO_MAX_BYTES = 64 * 1024
+# Decode processes that may share one lease (a decode grid re-cutting a smaller prefill's
+# blocks: docs/design.md §3 "KV between unlike grids").
+MAX_PULLERS = 1024
 
 
 @dataclass(slots=True)
@@ -189,7 +192,10 @@ class PullServer:
     ) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            lease = self._leases.pin(str(msg.get("transfer_id", "")))
+            pullers = msg.get("pullers", 1)
+            if not isinstance(pullers, int) or not 1 <= pullers <= MAX_PULLERS:
+                raise PeerError(f"pullers must be 1..{MAX_PULLERS}, got {pullers!r}", "protocol")
+            lease = self._leases.pin(str(msg.get("transfer_id", "")), pullers)
         except PeerError as e:
             self._counters.failed(e.reason)
             send_msg(

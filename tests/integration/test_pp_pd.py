@@ -3,8 +3,9 @@ real services whose stages are real processes): every process of the P × N grid
 own KV (its stage's layers of its TP rank's heads) to the same process on the other side,
 over the fs store (per-process records) and over p2p (process-to-process pulls). Greedy
 tokens equal those of the offline engine (P = 1, in this process) and of a P = 1 service
-computing the prompt itself; a handle from another P is refused with a message that names
-both sizes, before any block is read or pulled.
+computing the prompt itself. Between unlike grids (docs/design.md §3 "KV between unlike
+grids") a P = 1 decode loads a P = 2 prefill's blocks (2 -> 1) and a P = 2 decode a P = 1
+prefill's (1 -> 2), each process taking the layers it owns.
 
 Each connector gets one stack for the module (prefill P = 2, decode P = 2, decode P = 1).
 """
@@ -14,14 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from pdserve_api.v1 import pdserve_pb2 as pb
 from tests.e2e.router_support import wait_for
 from tests.integration.test_p2p_services import decode, free_blocks, prefill_handle
-from tests.integration.test_tp_pd import Stack, parallel_stack
-from tests.service_fixtures import ServiceProcess
+from tests.integration.test_tp_pd import THIRD, Stack, parallel_stack, recut
 
 pytestmark = pytest.mark.timeout(900)
 PP2 = ("--pipeline-parallel-size", "2")
@@ -58,16 +56,6 @@ def _offline_tokens(llm: object, prompt: list[int], n: int) -> list[int]:
     return list(llm.generate(prompt, params)[0].token_ids)  # type: ignore[attr-defined]
 
 
-def _refused(target: ServiceProcess, handle: pb.KvHandle, first: int) -> None:
-    """A decode of another P refuses the handle before touching any block."""
-    with pytest.raises(grpc.RpcError) as refused:
-        decode(target, PROMPT, first, handle)
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
-    details = refused.value.details() or ""
-    assert "pipeline_parallel_size 2 (prefill) != 1 (this decode instance)" in details, details
-    assert "--pipeline-parallel-size" in details
-
-
 def test_fs_per_stage_records_match_the_offline_engine(fs_stack: Stack, offline: object) -> None:
     first, handle = prefill_handle(fs_stack.prefill, "p1", PROMPT)
     assert handle.model_fingerprint.endswith("-pp2") and handle.num_tokens == len(PROMPT)
@@ -78,9 +66,15 @@ def test_fs_per_stage_records_match_the_offline_engine(fs_stack: Stack, offline:
     tokens, timings = decode(fs_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
     assert tokens == _offline_tokens(offline, PROMPT, len(tokens))
+    assert recut(fs_stack.single, handle, first, PROMPT) == tokens  # 2 -> 1
     colocated, _ = decode(fs_stack.single, PROMPT, None, None)
     assert tokens == colocated
-    _refused(fs_stack.single, handle, first)
+
+
+def test_fs_p1_prefill_to_p2_decode(fs_stack: Stack, offline: object) -> None:
+    first, handle = prefill_handle(fs_stack.single_prefill, "p3", THIRD)
+    tokens = recut(fs_stack.decode, handle, first, THIRD)  # 1 -> 2
+    assert tokens == _offline_tokens(offline, THIRD, len(tokens))
 
 
 def test_fs_layers_missing_on_one_stage_are_recomputed(fs_stack: Stack, offline: object) -> None:
@@ -102,7 +96,6 @@ def test_p2p_stage_to_stage_matches_the_offline_engine(p2p_stack: Stack, offline
     assert len(transfers) == 2 and all(t.startswith("p1.") for t in transfers)
     free, total = free_blocks(p2p_stack.prefill)
     assert free < total  # held on every stage for the pull
-    _refused(p2p_stack.single, handle, first)  # refused before any pull: the hold stays
 
     tokens, timings = decode(p2p_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
@@ -110,3 +103,12 @@ def test_p2p_stage_to_stage_matches_the_offline_engine(p2p_stack: Stack, offline
     colocated, _ = decode(p2p_stack.single, PROMPT, None, None)
     assert tokens == colocated
     wait_for(lambda: free_blocks(p2p_stack.prefill)[0] == total, 20, "the held blocks freed")
+
+
+def test_p2p_p2_prefill_to_p1_decode(p2p_stack: Stack, offline: object) -> None:
+    """2 -> 1: the P = 1 decode pulls both stages' leases, each its layers."""
+    first, handle = prefill_handle(p2p_stack.prefill, "p5", THIRD)
+    _, total = free_blocks(p2p_stack.prefill)
+    tokens = recut(p2p_stack.single, handle, first, THIRD)
+    assert tokens == _offline_tokens(offline, THIRD, len(tokens))
+    wait_for(lambda: free_blocks(p2p_stack.prefill)[0] == total, 20, "both leases pulled")

@@ -2,11 +2,13 @@
 services whose worker ranks are real processes): every rank's KV shard moves to the same
 rank on the other side, over the fs store (per-rank records) and over p2p (rank-to-rank
 pulls). Greedy tokens equal those of an N = 1 instance computing the prompt itself; a shard
-one rank lacks is recomputed on all; a handle from another N is refused with a message that
-names both sizes, and one listing another number of p2p sources is recomputed.
+one rank lacks is recomputed on all; one listing another number of p2p sources is
+recomputed. Between unlike grids (docs/design.md §3 "KV between unlike grids") a decode of
+N = 1 loads an N = 2 prefill's blocks (2 -> 1) and a decode of N = 2 an N = 1 prefill's
+(1 -> 2), each re-cutting the heads; a handle of another model is refused naming both sides.
 
-Each connector gets one stack for the module (prefill N = 2, decode N = 2, decode N = 1):
-starting tensor-parallel services is the slow part.
+Each connector gets one stack for the module (prefill N = 2, decode N = 2, decode N = 1,
+prefill N = 1): starting tensor-parallel services is the slow part.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.timeout(900)
 TP2 = ("--tensor-parallel-size", "2")
 PROMPT = [2000 + (i * 31) % 20000 for i in range(45)]  # 2 full blocks + a partial one
 OTHER = [3000 + (i * 17) % 20000 for i in range(40)]  # a second prompt, no shared block
+THIRD = [4000 + (i * 13) % 20000 for i in range(40)]  # for 1 -> 2: nobody holds it yet
+FOURTH = [5000 + (i * 11) % 20000 for i in range(40)]  # for p2p 2 -> 1
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class Stack:
     decode: ServiceProcess  # N = 2 (or P = 2)
     single: ServiceProcess  # N = P = 1: the reference, and the instance of another size
     kv_dir: Path
+    single_prefill: ServiceProcess  # N = P = 1: the prefill of another size
 
 
 def parallel_stack(
@@ -51,12 +56,13 @@ def parallel_stack(
     args = tuple(a.replace("{kv}", str(kv_dir)) for a in connector)
     stack = ProcessStack(root / "logs", model)
     try:
-        prefill, dec, single = stack.together(
+        prefill, dec, single, single_prefill = stack.together(
             lambda: stack.service("prefill", connector_args=args, extra_args=parallel),
             lambda: stack.service("decode", connector_args=args, extra_args=parallel),
             lambda: stack.service("decode", connector_args=args),
+            lambda: stack.service("prefill", connector_args=args),
         )
-        yield Stack(prefill, dec, single, kv_dir)
+        yield Stack(prefill, dec, single, kv_dir, single_prefill)
     finally:
         stack.close()
 
@@ -75,12 +81,25 @@ def p2p_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     )
 
 
-def _refused(target: ServiceProcess, handle: pb.KvHandle, first: int) -> None:
-    """A decode of another N refuses the handle before touching any block."""
+def recut(target: ServiceProcess, handle: pb.KvHandle, first: int, prompt: list[int]) -> list[int]:
+    """A decode of another grid loads every block of ``handle`` (re-cut), computes none;
+    ``target`` must not hold ``prompt`` in its prefix cache yet."""
+    tokens, timings = decode(target, prompt, first, handle)
+    blocks = -(-len(prompt) // 16)
+    assert (timings.kv_blocks_loaded, timings.kv_blocks_recomputed) == (blocks, 0), timings
+    return tokens
+
+
+def refused_other_model(target: ServiceProcess, handle: pb.KvHandle, first: int) -> None:
+    """A handle of another model (hash part) is refused naming both sides' grids."""
+    forged = pb.KvHandle()
+    forged.CopyFrom(handle)
+    forged.model_fingerprint = "0" * 32 + handle.model_fingerprint[32:]
     with pytest.raises(grpc.RpcError) as refused:
-        decode(target, PROMPT, first, handle)
+        decode(target, PROMPT, first, forged)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
-    assert "tensor_parallel_size 2 (prefill) != 1" in (refused.value.details() or "")
+    details = refused.value.details() or ""
+    assert "(prefill)" in details and "(this decode" in details, details
 
 
 def test_fs_per_rank_records_match_n1(fs_stack: Stack) -> None:
@@ -92,9 +111,19 @@ def test_fs_per_rank_records_match_n1(fs_stack: Stack) -> None:
 
     tokens, timings = decode(fs_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
+    assert recut(fs_stack.single, handle, first, PROMPT) == tokens  # 2 -> 1
     colocated, _ = decode(fs_stack.single, PROMPT, None, None)
     assert tokens == colocated
-    _refused(fs_stack.single, handle, first)
+    refused_other_model(fs_stack.single, handle, first)
+
+
+def test_fs_n1_prefill_to_n2_decode(fs_stack: Stack) -> None:
+    """1 -> 2: each decode rank takes its heads out of the N = 1 prefill's records."""
+    first, handle = prefill_handle(fs_stack.single_prefill, "p3", THIRD)
+    assert "-tp" not in handle.model_fingerprint
+    tokens = recut(fs_stack.decode, handle, first, THIRD)
+    colocated, _ = decode(fs_stack.single, THIRD, None, None)
+    assert tokens == colocated
 
 
 def test_fs_shard_missing_on_one_rank_is_recomputed(fs_stack: Stack) -> None:
@@ -117,7 +146,7 @@ def test_p2p_rank_to_rank_matches_n1(p2p_stack: Stack) -> None:
     assert len(transfers) == 2 and all(t.startswith("p1.") for t in transfers)
     free, total = free_blocks(p2p_stack.prefill)
     assert free < total  # held on every rank for the pull
-    _refused(p2p_stack.single, handle, first)  # refused before any pull: the hold stays
+    refused_other_model(p2p_stack.single, handle, first)  # before any pull: the hold stays
 
     tokens, timings = decode(p2p_stack.decode, PROMPT, first, handle)
     assert timings.kv_blocks_loaded == 3 and timings.kv_blocks_recomputed == 0
@@ -125,6 +154,26 @@ def test_p2p_rank_to_rank_matches_n1(p2p_stack: Stack) -> None:
     assert tokens == colocated
     # Both ranks' leases end as pulled; only then does rank 0 free the blocks.
     wait_for(lambda: free_blocks(p2p_stack.prefill)[0] == total, 20, "the held blocks freed")
+
+
+def test_p2p_n2_prefill_to_n1_decode(p2p_stack: Stack) -> None:
+    """2 -> 1: the N = 1 decode pulls both prefill ranks' leases and joins their heads."""
+    first, handle = prefill_handle(p2p_stack.prefill, "p5", FOURTH)
+    _, total = free_blocks(p2p_stack.prefill)
+    tokens = recut(p2p_stack.single, handle, first, FOURTH)
+    colocated, _ = decode(p2p_stack.decode, FOURTH, None, None)
+    assert tokens == colocated
+    wait_for(lambda: free_blocks(p2p_stack.prefill)[0] == total, 20, "both leases pulled")
+
+
+def test_p2p_n1_prefill_to_n2_decode(p2p_stack: Stack) -> None:
+    """1 -> 2: both decode ranks pull the one lease (each its heads); it ends after both."""
+    first, handle = prefill_handle(p2p_stack.single_prefill, "p6", THIRD)
+    _, total = free_blocks(p2p_stack.single_prefill)
+    tokens = recut(p2p_stack.decode, handle, first, THIRD)
+    colocated, _ = decode(p2p_stack.single, THIRD, None, None)
+    assert tokens == colocated
+    wait_for(lambda: free_blocks(p2p_stack.single_prefill)[0] == total, 20, "the lease pulled")
 
 
 def test_p2p_handle_listing_one_source_is_recomputed(p2p_stack: Stack) -> None:

@@ -21,7 +21,7 @@ from engine.kv.fingerprint import (
 from engine.models import ModelArgs
 from kv_store.tp_connector import rank_fingerprint
 from pdserve_api.v1 import pdserve_pb2 as pb
-from service.convert import check_handle_compatible, kv_handle_fields
+from service.convert import check_handle_compatible, kv_handle_fields, remote_kv_from_handle
 from service.errors import IncompatibleKvHandle
 
 
@@ -35,7 +35,9 @@ def test_fingerprints_name_p_and_n(tiny_model_dir: Path) -> None:
         for pp, tp in ((1, 1), (2, 1), (1, 2), (2, 2))
     }
     assert prints[(2, 1)].endswith("-pp2") and prints[(2, 2)].endswith("-pp2-tp2")
-    assert len({fp[:32] for fp in prints.values()}) == 4  # the hashes differ too
+    # One model: the hash part is shared (a decode of another split re-cuts the blocks);
+    # the suffixes, and so every store key, differ.
+    assert len({fp[:32] for fp in prints.values()}) == 1 and len(set(prints.values())) == 4
     for (pp, tp), fp in prints.items():
         assert (pipeline_parallel_size_of(fp), tensor_parallel_size_of(fp)) == (pp, tp)
     # Grid process g (stage g // N, TP rank g % N) keys its records under its own rank.
@@ -51,29 +53,62 @@ def test_the_engine_layout_holds_stage_0s_layers(tiny_model_dir: Path) -> None:
     assert staged.num_layers == 1  # stage 0's half: its records say so, a load checks it
 
 
+def _engine(model: Path, pp: int, tp: int) -> SimpleNamespace:
+    config = _config(model, pp, tp)
+    args = ModelArgs.from_hf(config.hf_config())
+    heads = max(1, args.num_kv_heads // tp)
+    return SimpleNamespace(
+        model_fingerprint=model_fingerprint(config),
+        kv_layout=kv_layout(config, args, heads),
+        config=config,
+        args=args,
+    )
+
+
 @pytest.mark.parametrize(
-    ("theirs", "mine", "says"),
+    ("theirs", "mine"), [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (1, 2)), ((1, 2), (1, 1))]
+)
+def test_a_handle_of_another_grid_is_recut(
+    tiny_model_dir: Path, theirs: tuple[int, int], mine: tuple[int, int]
+) -> None:
+    """Same model, another split: taken, and the load carries the re-cut (docs/design.md
+    §3 "KV between unlike grids"); its own grid's handle carries none."""
+    prefill = _engine(tiny_model_dir, *theirs)
+    handle = pb.KvHandle(
+        **kv_handle_fields(prefill), num_tokens=16, block_keys=["k"], connector="fs"
+    )
+    check_handle_compatible(handle, prefill)
+    assert remote_kv_from_handle(handle, 16, prefill).reshard is None
+    decode = _engine(tiny_model_dir, *mine)
+    check_handle_compatible(handle, decode)
+    reshard = remote_kv_from_handle(handle, 16, decode).reshard
+    assert reshard is not None and reshard["source_fingerprint"] == handle.model_fingerprint
+    assert len(reshard["sources"]) == theirs[0] * theirs[1]
+    assert len(reshard["dests"]) == mine[0] * mine[1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
     [
-        ((2, 1), (1, 1), "pipeline_parallel_size 2 (prefill) != 1 (this decode instance)"),
-        ((1, 1), (2, 1), "pipeline_parallel_size 1 (prefill) != 2 (this decode instance)"),
-        ((2, 1), (1, 2), "tensor_parallel_size 1 (prefill) != 2"),  # same 2 processes
+        ("model_fingerprint", "0" * 32 + "-pp2", "another model, weights, dtype or block size"),
+        ("connector", "lmcache", "the 'lmcache' connector cannot move KV between unlike grids"),
+        ("dtype", "bfloat16", "dtype 'bfloat16' != 'float32'"),
     ],
 )
-def test_a_handle_of_another_grid_is_refused(
-    tiny_model_dir: Path, theirs: tuple[int, int], mine: tuple[int, int], says: str
+def test_a_handle_that_cannot_be_recut_is_refused(
+    tiny_model_dir: Path, field: str, value: str, says: str
 ) -> None:
-    def engine(pp: int, tp: int) -> SimpleNamespace:
-        config = _config(tiny_model_dir, pp, tp)
-        args = ModelArgs.from_hf(config.hf_config())
-        heads = args.num_kv_heads // tp
-        return SimpleNamespace(
-            model_fingerprint=model_fingerprint(config), kv_layout=kv_layout(config, args, heads)
-        )
-
-    handle = pb.KvHandle(**kv_handle_fields(engine(*theirs)), num_tokens=16, block_keys=["k"])
-    check_handle_compatible(handle, engine(*theirs))  # its own kind passes
+    handle = pb.KvHandle(
+        **kv_handle_fields(_engine(tiny_model_dir, 2, 1)),
+        num_tokens=16,
+        block_keys=["k"],
+        connector="fs",
+    )
+    setattr(handle, field, value)
     with pytest.raises(IncompatibleKvHandle) as refused:
-        check_handle_compatible(handle, engine(*mine))
-    assert says in str(refused.value)
-    flag = "--pipeline-parallel-size" if "pipeline" in says else "--tensor-parallel-size"
-    assert f"run both pools with the same {flag}" in str(refused.value)
+        check_handle_compatible(handle, _engine(tiny_model_dir, 1, 1))
+    message = str(refused.value)
+    assert says in message, message
+    if field != "dtype":  # both grids named
+        assert "pipeline_parallel_size 2 x tensor_parallel_size 1 (prefill)" in message
+        assert "pipeline_parallel_size 1 x tensor_parallel_size 1 (this decode)" in message
