@@ -257,7 +257,7 @@ class BlockStoreConnector(AsyncConnectorBase):
         res = TransferResult(t.request_id, "load", True)
         try:
             loaded, nbytes, failure = load_resharded(
-                self.backend, kv, layout, t, self.mac, self.batch_blocks, deadline
+                self.backend, kv, layout, t, self.mac, self.batch_blocks, deadline, self._bad
             )
             res.num_loaded_blocks, res.bytes_moved = loaded, nbytes
             if failure is not None:
@@ -268,6 +268,11 @@ class BlockStoreConnector(AsyncConnectorBase):
             res.ok, res.error, res.failure_reason = False, "transfer deadline exceeded", "timeout"
         self.counters.record_load(res.num_loaded_blocks, res.bytes_moved)
         return res
+
+    def _bad(self, key: str, err: KVRecordError) -> tuple[str, str]:
+        """A record that failed verification: delete it; the load's failure."""
+        _drop_bad_record(self.backend, key, err)
+        return record_failure_reason(err), f"block {key}: {err}"
 
     def _settle(self, t: KVTransfer, futures: Sequence[Future[Any]]) -> None:
         """Cancel the batches not started and wait for the running ones: a batch reads or

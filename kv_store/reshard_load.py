@@ -20,6 +20,8 @@ from kv_store.record import copy_into, decode_block, record_size
 from kv_store.reshard import Reshard
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kv_store.backend import StorageBackend
@@ -40,10 +42,11 @@ def load_resharded(
     mac: RecordMac | None,
     batch_blocks: int,
     deadline: Deadline,
+    bad_record: Callable[[str, KVRecordError], tuple[str, str]],
 ) -> LoadOutcome:
-    """Load blocks ``t.start_block..`` of ``t`` re-cut by ``t.reshard`` into ``kv``."""
-    from kv_store.block_connector import _drop_bad_record, record_failure_reason
-
+    """Load blocks ``t.start_block..`` of ``t`` re-cut by ``t.reshard`` into ``kv``.
+    ``bad_record(key, error)``: the caller's handling of a record that failed verification
+    (it deletes it); returns the load's ``(failure reason, message)``."""
     assert t.reshard is not None
     reshard = Reshard.from_json(t.reshard)
     pieces = reshard.pieces()
@@ -70,8 +73,7 @@ def load_resharded(
                 try:
                     blocks[s] = decode_block(value, layouts[s], n, mac=mac, key=key)
                 except KVRecordError as e:
-                    _drop_bad_record(backend, key, e)
-                    return loaded, nbytes, (record_failure_reason(e), f"block {key}: {e}")
+                    return loaded, nbytes, bad_record(key, e)
                 nbytes += len(value)
             block_id = t.block_ids[i]
             for p in pieces:
