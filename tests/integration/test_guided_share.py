@@ -6,6 +6,7 @@ ignored and compiled again; without the directory nothing is written."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 from engine.core.guided_spec import GuidedSpec
@@ -37,17 +38,17 @@ def test_second_instance_loads_the_first_ones_compile(engine_factory, tmp_path: 
     first = engine_factory(guided_cache_dir=str(share))
     expected = _guided_tokens(first)
     assert expected and engine_counts(first) == {"compiled": 1, "shared": 0}
-    (entry,) = share.glob("*/*.json")  # one tokenizer directory, one guide
+    (entry,) = share.glob("*/*.json.z")  # one tokenizer directory, one guide
 
     second = engine_factory(guided_cache_dir=str(share))
     assert _guided_tokens(second) == expected
     assert engine_counts(second) == {"compiled": 0, "shared": 1}
 
-    entry.write_text('{"not": "a compiled grammar"}')
+    entry.write_bytes(zlib.compress(b'{"not": "a compiled grammar"}'))
     third = engine_factory(guided_cache_dir=str(share))
     assert _guided_tokens(third) == expected  # compiled again, not misled
     assert engine_counts(third)["shared"] == 0
-    assert entry.read_text() != '{"not": "a compiled grammar"}'  # and shared again
+    assert zlib.decompress(entry.read_bytes()) != b'{"not": "a compiled grammar"}'  # shared again
 
 
 def test_no_directory_no_sharing(engine_factory, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ symlinks, a size cap, a failed check is a miss, off without a directory."""
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 from engine.sampling.grammar_share import GrammarShare
@@ -49,3 +50,29 @@ def test_a_directory_that_cannot_be_made_costs_nothing(tmp_path: Path) -> None:
     share = GrammarShare(str(blocker), "tok")  # its directory would sit under a file
     share.store("regex", "a", "{}")  # no exception: the other instances just compile
     assert share.load("regex", "a", _ok) is None
+
+
+def test_entries_are_compact_and_bombs_are_misses(tmp_path: Path) -> None:
+    share = GrammarShare(str(tmp_path), "tok", max_bytes=1 << 20)
+    text = '{"rules": [' + ",".join(['{"a": 1, "b": [2, 3]}'] * 20_000) + "]}"
+    share.store("json_schema", "s", text)
+    assert share.path("json_schema", "s").stat().st_size < len(text) // 10
+    assert share.load("json_schema", "s", _ok) == text
+    share.path("json_schema", "bomb").write_bytes(zlib.compress(b"{" * (2 << 20)))
+    assert share.load("json_schema", "bomb", _ok) is None  # inflates past the cap
+
+
+def test_the_directory_is_bounded_least_recently_used_first(tmp_path: Path) -> None:
+    blobs = {name: os.urandom(3000).hex() for name in "abcd"}  # about 3000 bytes packed
+    probe = GrammarShare(str(tmp_path / "probe"), "tok")
+    probe.store("regex", "a", "{" + blobs["a"])
+    size = probe.path("regex", "a").stat().st_size
+    share = GrammarShare(str(tmp_path), "tok", max_total_bytes=2 * size + size // 2)
+    for i, name in enumerate("abc"):
+        share.store("regex", name, "{" + blobs[name])
+        os.utime(share.path("regex", name), (1000 + i, 1000 + i))  # a, then b, then c
+    assert not share.path("regex", "a").exists()  # three did not fit: the oldest went
+    assert share.load("regex", "b", _ok) is not None  # b is now the most recently used
+    share.store("regex", "d", "{" + blobs["d"])
+    assert share.path("regex", "b").exists() and share.path("regex", "d").exists()
+    assert not share.path("regex", "c").exists()
