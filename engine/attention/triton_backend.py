@@ -178,10 +178,12 @@ def paged_attention(
     v_scale: float = DEFAULT_SCALE,
     window: int = 0,
     softcap: float = 0.0,
+    f16_kv: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context
     (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``); ``window``
-    and ``softcap`` as in ``AttentionBackend.forward``."""
+    and ``softcap`` as in ``AttentionBackend.forward``. ``f16_kv``: an fp8 cache under a
+    bf16 query is converted to fp16 tiles (packed converts; triton_kernels.py)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -256,6 +258,7 @@ def paged_attention(
         KV_FP8=kv_fp8,
         HAS_WINDOW=window > 0,
         HAS_SOFTCAP=softcap > 0,
+        F16_KV=f16_kv and kv_fp8 and query.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -337,12 +340,16 @@ class TritonAttention(AttentionBackend):
         k_scale: float = DEFAULT_SCALE,
         v_scale: float = DEFAULT_SCALE,
         batch_invariant: bool = False,
+        f16_kv: bool = False,
     ) -> None:
         """``k_scale``/``v_scale``: an fp8 cache's per-tensor scales (kv_quant.py).
-        ``batch_invariant``: every launch with ``invariant_config`` (deterministic mode)."""
+        ``batch_invariant``: every launch with ``invariant_config`` (deterministic mode).
+        ``f16_kv``: an fp8 cache's tiles converted to fp16, not bf16 (``paged_attention``;
+        off until benchmarks/gpu/fp8_kv_attention.py has measured it)."""
         self._num_sms: dict[int, int] = {}
         self.k_scale, self.v_scale = k_scale, v_scale
         self.batch_invariant = batch_invariant
+        self.f16_kv = f16_kv
 
     def _config(self, query: torch.Tensor, kv_cache: torch.Tensor) -> LaunchConfig | None:
         if not self.batch_invariant:
@@ -375,6 +382,7 @@ class TritonAttention(AttentionBackend):
         return paged_attention(
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
             config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
+            f16_kv=self.f16_kv,
         )  # fmt: skip
 
     def forward_prewritten(
@@ -391,4 +399,5 @@ class TritonAttention(AttentionBackend):
         return paged_attention(
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
             config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
+            f16_kv=self.f16_kv,
         )  # fmt: skip

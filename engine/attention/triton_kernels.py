@@ -18,7 +18,12 @@ An fp8 cache (``KV_FP8``, engine/attention/kv_quant.py) holds float8 e4m3 K/V wi
 per-tensor scales: the write quantizes (``QUANT``), the attention converts each K/V tile
 to the model dtype as it loads it and folds the scales into the arithmetic — ``k_scale``
 into the softmax scale by the caller, ``v_scale`` into the normalised output — so the inner
-loop multiplies nothing extra.
+loop multiplies nothing extra. With a bf16 query (``F16_KV``) the tiles become fp16
+instead: e4m3 -> fp16 is one packed convert per two values on sm89+, e4m3 -> bf16 goes
+through fp16 and two more converts. The query, pre-multiplied by the (base-2) softmax and
+K scales, is rounded to fp16 once per program (its 10-bit mantissa keeps more than bf16's
+7; the scaled scores are far inside fp16's range), P is rounded to fp16 for the P·V dot,
+and the sums stay float32.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def _attend_tile(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     DTYPE: tl.constexpr, window, softcap_log2, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HEAD_P2: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HEAD_P2: tl.constexpr, F16_KV: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
 
@@ -129,7 +134,10 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + tok_off[None, :] + d[:, None])
         v = tl.load(v_cache_ptr + tok_off[:, None] + d[None, :])
-    if KV_FP8:  # e4m3 -> the model dtype (exact); the scales are applied outside the loop
+    if F16_KV:  # e4m3 -> fp16 (exact): one packed convert per two values on sm89+
+        k = k.to(tl.float16)
+        v = v.to(tl.float16)
+    elif KV_FP8:  # e4m3 -> the model dtype (exact); the scales are applied outside the loop
         k = k.to(DTYPE)
         v = v.to(DTYPE)
     if UPCAST:
@@ -138,7 +146,8 @@ def _attend_tile(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * scale_log2
+    if not F16_KV:  # (F16_KV: q carries the scale already)
+        s = s * scale_log2
     if HAS_SOFTCAP:
         x = s / softcap_log2
         e = tl.exp(-2.0 * tl.abs(x))
@@ -203,6 +212,7 @@ def _paged_attn_kernel(
     KV_FP8: tl.constexpr,  # the cache holds float8 e4m3 (see the module docstring)
     HAS_WINDOW: tl.constexpr,  # sliding-window layer: keys before the window are skipped
     HAS_SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
+    F16_KV: tl.constexpr,  # KV_FP8 with a bf16 query: dots in fp16, q pre-scaled (docstring)
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -232,6 +242,8 @@ def _paged_attn_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if F16_KV:
+        q = (q.to(tl.float32) * scale_log2).to(tl.float16)
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = ctx_off + q_tok
@@ -262,12 +274,14 @@ def _paged_attn_kernel(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, IEEE, UPCAST, KV_FP8,
             q_ptr.dtype.element_ty, window, softcap_log2, HAS_WINDOW, HAS_SOFTCAP, HEAD_P2,
+            F16_KV,
         )  # fmt: skip
     for start in range(mid, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_hi, q_pos, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             scale_log2, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, IEEE, UPCAST, KV_FP8,
             q_ptr.dtype.element_ty, window, softcap_log2, HAS_WINDOW, HAS_SOFTCAP, HEAD_P2,
+            F16_KV,
         )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

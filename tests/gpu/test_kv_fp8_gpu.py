@@ -72,6 +72,16 @@ def test_fp8_kernels_match_reference_on_gpu(name: str) -> None:
     check_case(name, res, GPU_CASES[name][6])
 
 
+@pytest.mark.parametrize("name", [n for n, spec in GPU_CASES.items() if spec[6] == "bfloat16"])
+def test_fp8_kernels_with_fp16_tiles_on_gpu(name: str) -> None:
+    """The e4m3 tiles converted to fp16 with the query pre-scaled (``f16_kv``): the
+    same bounds as the bf16-tile path."""
+    seed = 2000 + list(GPU_CASES).index(name)
+    res = run_case(GPU_CASES[name], seed, "cuda", f16_kv=True)
+    print(f"{name} f16 seed={seed}: {res}")
+    check_case(name, res, GPU_CASES[name][6])
+
+
 @pytest.mark.parametrize("seed", [3, 17, 2024])
 def test_fused_rope_store_fp8_on_gpu(seed: int) -> None:
     res = run_rope_store_case(seed, "cuda", "bfloat16")

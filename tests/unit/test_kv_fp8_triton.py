@@ -38,15 +38,19 @@ TOL_VS_TORCH = {"float32": 1e-5, "bfloat16": 1.5e-2}
 # Against float64 attention over the unquantized K/V: e4m3 keeps 3 mantissa bits (relative
 # rounding error <= 2**-4 per element); measured 2.7-3.7e-2 on these random cases.
 TOL_VS_TRUTH = 6e-2
+# bf16 cases run again with the e4m3 tiles converted to fp16 (the query pre-scaled).
+F16_CASES = [name for name, spec in CASES.items() if spec[6] == "bfloat16"]
 
 
 def run_case(
     spec: tuple[list[int], list[int], int, int, int, int, str, float, float, int],
     seed: int,
     device: str,
+    f16_kv: bool = False,
 ) -> dict[str, float]:
     """Write + attention through the Triton kernels and the torch reference on ``device``;
-    returns the byte mismatches of the writes and both relative errors."""
+    returns the byte mismatches of the writes and both relative errors. ``f16_kv``: the
+    attention converts the e4m3 tiles to fp16 (``paged_attention``'s option)."""
     import torch
 
     from engine.attention.kv_quant import FP8_DTYPE, quantize
@@ -85,7 +89,7 @@ def run_case(
     out = paged_attention(
         case.query, triton_cache, case.meta, case.scale, num_sms=None if device == "cpu" else
         torch.cuda.get_device_properties(0).multi_processor_count, config=config,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, f16_kv=f16_kv,
     )  # fmt: skip
     ref_backend = TorchRefAttention(cpu_kernels=False, k_scale=k_scale, v_scale=v_scale)
     # The torch reference gathers whole blocks and masks afterwards, so NaN sentinels in
@@ -157,6 +161,8 @@ def main() -> None:
     results: dict[str, Any] = {
         name: run_case(spec, seed + i, "cpu") for i, (name, spec) in enumerate(CASES.items())
     }
+    for i, name in enumerate(F16_CASES):
+        results[name + "/f16"] = run_case(CASES[name], seed + i, "cpu", f16_kv=True)
     results["rope_store_f32"] = run_rope_store_case(seed, "cpu", "float32")
     print(json.dumps({"seed": seed, "results": results}))
 
@@ -183,6 +189,13 @@ def check_case(name: str, res: dict[str, float], dtype: str) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp8_kernels_match_reference(interpreted: dict[str, Any], name: str) -> None:
     check_case(name, interpreted[name], CASES[name][6])
+
+
+@pytest.mark.parametrize("name", F16_CASES)
+def test_fp8_kernels_with_fp16_tiles_match_reference(
+    interpreted: dict[str, Any], name: str
+) -> None:
+    check_case(name + "/f16", interpreted[name + "/f16"], CASES[name][6])
 
 
 def test_fused_rope_store_quantizes_like_torch(interpreted: dict[str, Any]) -> None:
