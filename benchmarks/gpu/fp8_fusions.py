@@ -26,7 +26,7 @@ from benchmarks.record import CONFIGS, recorded_command, write_report
 
 ROWS = (8, 32, 128, 256, 512, 2048)
 DECODE_BATCHES = (64, 128, 256)
-MIXED = ((128, 128), (256, 256), (128, 896))
+MIXED = ((128, 128), (255, 257), (128, 896))  # <= 256 requests a step (max_num_seqs)
 
 
 def _graphed_us(fn: Any, calls: int = 20) -> float:

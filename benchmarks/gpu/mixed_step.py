@@ -31,14 +31,15 @@ import torch
 
 from benchmarks.record import CONFIGS, recorded_command, write_report
 
-# (decodes, chunk): total tokens 128, 256, 501 (padded to 512), 512, 1024, 1032 (1088), 2048
+# (decodes, chunk): total tokens 128, 256, 501 (padded to 512), 512, 1024, 1032 (1088), 2048;
+# at most 255 decodes, so a step holds max_num_seqs = 256 requests with its chunk.
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
 }  # fmt: skip
-CASES = ((64, 64), (128, 128), (200, 301), (256, 256), (128, 896), (32, 1000), (256, 1792))
+CASES = ((64, 64), (128, 128), (200, 301), (255, 257), (128, 896), (32, 1000), (255, 1793))
 BLOCK = 16
 
 
