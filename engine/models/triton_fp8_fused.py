@@ -10,8 +10,10 @@ Unfused, each is the layer op (``triton_ops.py``) writing the row in the model d
 the row more per projection, three per layer. Here one program per row computes the row
 as the layer op rounds it (every intermediate rounded to the model dtype where torch
 stores one), takes its largest magnitude, and writes the e4m3 row and its float32 scale:
-the same bytes as the layer op followed by ``fp8.quantize_rows`` (``quantize_e4m3``
-rounds to nearest even and saturates as torch's cast does). The result is an ``Fp8Act``
+the same bytes as the layer op followed by the quantizer the unfused GPU path runs
+(``quantize_e4m3`` rounds to nearest even and saturates as its cast does; both divide with
+Triton's float32 division, which on the GPU is within 2 ulp of torch's, so against
+``fp8.quantize_rows`` a rare value sits one e4m3 step away). The result is an ``Fp8Act``
 that ``Fp8Linear`` takes instead of a model-dtype tensor.
 """
 
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from engine.attention.triton_kernels import quantize_e4m3
 from engine.models.fp8 import _MIN_SCALE, FP8, FP8_MAX, Fp8Act
+from engine.models.triton_ops import _warps  # the norm kernel's: the same reduction tree
 
 _SILU_BLOCK = 2048  # columns per pass of the SiLU kernel: 14336 is 7 passes
 
@@ -105,10 +108,6 @@ def _silu_mul_fp8_kernel(
         a = _silu_act(gu_row, cols, mask, n_cols, dtype)
         q = quantize_e4m3(a, scale)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-def _warps(block: int) -> int:
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 def rms_norm_fp8(

@@ -53,9 +53,13 @@ def results() -> dict:
 def test_fused_kernels_give_the_unfused_bytes(results: dict, name: str) -> None:
     for key, r in results.items():
         if key.startswith(name + "/"):
-            assert r["dtypes_ok"] and r["scale_equal"] and r.get("residual_equal", True), r
-            assert r["q_mismatch"] == 0 and r["q_mismatch_vs_triton_quant"] == 0, r
+            assert r["dtypes_ok"] and r.get("residual_equal", True), r
+            # The same bytes as the Triton quantizer the unfused GPU path runs ...
+            assert r["q_mismatch_vs_triton_quant"] == 0, r
             assert r["scale_equal_vs_triton_quant"], r
+            # ... and torch's within Triton's approximate float32 division (div.full).
+            assert r["scale_rel_err"] <= 2.0**-21, r
+            assert r["max_steps"] <= 1.0 and r["q_mismatch_fraction"] <= 1e-3, r
 
 
 def _run_steps(model, cache: torch.Tensor, graphs=None) -> list[torch.Tensor]:
