@@ -133,7 +133,7 @@ def main() -> None:
         return
     import torch
 
-    from engine.models.triton_fp8_gemm import CONFIG_FILE
+    from engine.models.triton_fp8_gemm import CONFIG_FILE, gpu_tables
 
     rows = tuple(int(r) for r in args.rows.split(","))
     out: dict[str, Any] = {
@@ -145,9 +145,9 @@ def main() -> None:
     }
     # The table merges with the one on disk and is written after every shape, so a run cut
     # short keeps what it finished (and tuning one shape leaves the others' rows alone).
-    table: dict[str, Any] = {"shapes": {}}
-    if args.write and CONFIG_FILE.exists():
-        table = json.loads(CONFIG_FILE.read_text())
+    # One table per GPU kind: tuning this kind never touches another kind's winners.
+    tables = gpu_tables(json.loads(CONFIG_FILE.read_text())) if CONFIG_FILE.exists() else {}
+    table: dict[str, Any] = tables.setdefault(out["gpu"], {"shapes": {}})
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -156,8 +156,8 @@ def main() -> None:
         table["shapes"][f"{n},{k}"] = [[r["m"], r["config"] if r["kept"] else None] for r in found]
         args.json.write_text(json.dumps(out, indent=1) + "\n")
         if args.write:
-            table["gpu"], table["written_by"] = out["gpu"], out["command"]
-            CONFIG_FILE.write_text(json.dumps(table, indent=1) + "\n")
+            table["written_by"] = out["command"]
+            CONFIG_FILE.write_text(json.dumps({"gpus": tables}, indent=1) + "\n")
             print(f"wrote {CONFIG_FILE} ({name})", flush=True)
 
 

@@ -15,10 +15,15 @@ by the K slice 0 only. With ``SPLIT_K == 1`` the program writes the output dtype
 Atomic adds make the summation order vary run to run: ``--deterministic`` never takes this
 path (docs/design.md §3, "Deterministic mode").
 
-Tiles are data: ``fp8_gemm_configs.json`` maps ``"N,K"`` to ``[max_rows, config or null]``
-buckets, written by ``python -m benchmarks.gpu.fp8_gemm_tune``: a config where this kernel
-beat ``torch._scaled_mm`` at that row count on the GPU it ran on, null where it did not. A
-shape or row count not in it keeps ``torch._scaled_mm``.
+Tiles are data: ``fp8_gemm_configs.json`` holds one table per GPU kind (``"gpus"``, keyed
+by ``torch.cuda.get_device_name()``), each mapping ``"N,K"`` to ``[max_rows, config or
+null]`` buckets, written by ``python -m benchmarks.gpu.fp8_gemm_tune --write`` on that
+kind: a config where this kernel beat ``torch._scaled_mm`` at that row count, null where it
+did not. A GPU kind without a table of its own takes the first table in the file (the
+winners of another kind beat nothing by measurement there, but were what every kind ran
+before the tables were split); a shape or row count not in the table keeps
+``torch._scaled_mm``. A file in the older one-table form (``"shapes"`` at the top) is that
+table for every kind.
 """
 
 from __future__ import annotations
@@ -134,13 +139,26 @@ def fp8_gemm(
     return y.to(out_dtype) if atomic else y
 
 
+def gpu_tables(raw: dict) -> dict[str, dict]:
+    """The file's tables by GPU name (the one-table form: one table under its ``gpu``)."""
+    if "gpus" in raw:
+        return dict(raw["gpus"])
+    return {raw.get("gpu", ""): raw} if "shapes" in raw else {}
+
+
 @functools.cache
-def _tuned() -> dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]]:
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+@functools.cache
+def _tuned(gpu: str) -> dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]]:
     if not CONFIG_FILE.exists():
         return {}
-    raw = json.loads(CONFIG_FILE.read_text())
+    tables = gpu_tables(json.loads(CONFIG_FILE.read_text()))
+    mine = tables.get(gpu) or next(iter(tables.values()), {})
     table: dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]] = {}
-    for key, buckets in raw.get("shapes", {}).items():
+    for key, buckets in mine.get("shapes", {}).items():
         n, k = (int(v) for v in key.split(","))
         rows = [(int(r), Fp8GemmConfig(**c) if c else None) for r, c in buckets]
         table[(n, k)] = sorted(rows, key=lambda row: row[0])
@@ -149,7 +167,7 @@ def _tuned() -> dict[tuple[int, int], list[tuple[int, Fp8GemmConfig | None]]]:
 
 def tuned_config(m: int, n: int, k: int) -> Fp8GemmConfig | None:
     """The measured winner for ``m`` rows of an ``[N, K]`` weight, or None (use cuBLAS)."""
-    for max_rows, config in _tuned().get((n, k), ()):
+    for max_rows, config in _tuned(_gpu_name()).get((n, k), ()):
         if m <= max_rows:
             return config
     return None

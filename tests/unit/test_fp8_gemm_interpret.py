@@ -88,6 +88,23 @@ def test_config_checks_and_table_lookup(tmp_path, monkeypatch) -> None:  # type:
         assert mod.tuned_config(100, 6144, 4096) == mod.Fp8GemmConfig(**winner)
         assert mod.tuned_config(300, 6144, 4096) is None  # beyond the table
         assert mod.tuned_config(5, 4096, 4096) is None  # shape never tuned
+        # One table per GPU kind; a kind without one takes the first.
+        other = {"block_m": 32, "block_n": 64, "block_k": 128, "split_k": 4,
+                 "num_warps": 4, "num_stages": 3}  # fmt: skip
+        table.write_text(
+            json.dumps(
+                {
+                    "gpus": {
+                        "NVIDIA H200": {"shapes": {"6144,4096": [[16, winner]]}},
+                        "NVIDIA H100 80GB HBM3": {"shapes": {"6144,4096": [[16, other]]}},
+                    }
+                }
+            )
+        )
+        mod._tuned.cache_clear()
+        assert mod._tuned("NVIDIA H100 80GB HBM3")[(6144, 4096)][0][1] == mod.Fp8GemmConfig(**other)
+        assert mod._tuned("NVIDIA H200")[(6144, 4096)][0][1] == mod.Fp8GemmConfig(**winner)
+        assert mod._tuned("NVIDIA A100")[(6144, 4096)][0][1] == mod.Fp8GemmConfig(**winner)
     finally:
         mod._tuned.cache_clear()
 
