@@ -1,5 +1,5 @@
 """Tiny random models of the non-Llama architectures (Phi-3, Gemma 2/3, Mixtral,
-Qwen3-MoE) and a windowed Mistral, saved with transformers in float32 with SmolLM2's
+Qwen3-MoE, DeepSeek-V2/V3) and a windowed Mistral, saved with transformers in float32 with SmolLM2's
 tokenizer (``tests/model_fixtures.save_tiny_model``). Windows are 16 tokens, so every
 test prompt longer than that attends through a real sliding window; soft-caps are small
 enough that tanh is far from linear on these weights."""
@@ -12,7 +12,18 @@ from typing import Any
 from tests.model_fixtures import _TINY_SHAPE, save_tiny_model
 
 WINDOW = 16
-ARCHS = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "mistral_window")
+ARCHS = (
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "mistral_window",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+# DeepSeek's YaRN original context: the longer test prompts pass it.
+DEEPSEEK_ORIGINAL_MAX = 64
 # Phi-3's longrope switches to the long factors at this position (tests cross it).
 PHI3_ORIGINAL_MAX = 128
 
@@ -66,9 +77,62 @@ def _spec(arch: str) -> tuple[Any, Any, dict[str, Any]]:
             "mlp_only_layers": [1],
         }
         return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, extra
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek(arch)
     if arch == "mistral_window":
         return tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": WINDOW}
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHS}")
+
+
+def _deepseek(arch: str) -> tuple[Any, Any, dict[str, Any]]:
+    """MLA with a latent of 32 + 8 rope dims, 8 routed experts in 4 groups (2 eligible),
+    shared experts, one dense layer first, YaRN rope. V2: no query low rank (V2-Lite's
+    shape), softmax scores with group-limited greedy; V3: a query low rank, sigmoid
+    scores with the correction bias, renormalised and scaled."""
+    import transformers as tf
+
+    common = {
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 4 * DEEPSEEK_ORIGINAL_MAX,
+        "num_key_value_heads": _TINY_SHAPE["num_attention_heads"],
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,  # transformers rotates head_dim values: the rope part
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+    }
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": DEEPSEEK_ORIGINAL_MAX,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "rope_theta": 10000.0,
+    }
+    if arch == "deepseek_v2":
+        extra = common | {
+            "q_lora_rank": None,
+            "topk_method": "group_limited_greedy",
+            "n_shared_experts": 2,
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": False,
+            "rope_parameters": yarn | {"mscale": 0.707, "mscale_all_dim": 0.707},
+        }
+        return tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, extra
+    extra = common | {
+        "q_lora_rank": 48,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_parameters": yarn | {"mscale": 1.0, "mscale_all_dim": 0.8},
+    }
+    return tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, extra
 
 
 def make_tiny_arch(arch: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -189,12 +189,13 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
         scheme = self.quantization_scheme()  # raises ValueError naming what is supported
         from engine.models.config import ModelArgs
-        from engine.models.support import check_combination
+        from engine.models.support import check_combination, check_mla_settings
 
         fp8_checkpoint = scheme is not None and scheme.from_checkpoint
         if fp8_checkpoint or self.device != "cpu":  # the only cases it refuses
             check_combination(ModelArgs.from_hf(self.hf_config()), fp8_checkpoint, self.device)
         check_lora_settings(self)
+        check_mla_settings(self)
         if self.deterministic:
             check_deterministic(self, scheme is not None)
         self._check_host_tier()

@@ -102,11 +102,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             (
                 self.num_layers,
-                2,
+                args.kv_planes,  # K and V, or MLA's one latent (docs/design.md §3)
                 self.num_blocks,
                 self.block_size,
                 self.num_kv_heads,
-                args.head_dim,
+                args.kv_head_dim,
             ),
             dtype=self.kv_dtype,
             device=self.device,
@@ -209,7 +209,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.args
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * a.head_dim * elem * self.num_layers
+        per_token = a.kv_planes * self.num_kv_heads * a.kv_head_dim * elem
+        return self.block_size * per_token * self.num_layers
 
     def _size_kv_cache(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -235,11 +236,11 @@ class ModelRunner:
         dummy_cache = torch.zeros(
             (
                 self.num_layers,
-                2,
+                self.args.kv_planes,
                 2 + -(-n // self.block_size),
                 self.block_size,
                 self.num_kv_heads,
-                self.args.head_dim,
+                self.args.kv_head_dim,
             ),
             dtype=self.kv_dtype,
             device=self.device,

@@ -12,6 +12,8 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.distributed.tp_group import TPGroup
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from engine.models.deepseek import DeepseekForCausalLM
+from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES
 from engine.models.fp8 import (
     Fp8Linear,
     cast_unquantized,
@@ -28,8 +30,11 @@ from engine.models.stages import Stage
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model", "get_layer_ops"]
 
 # Every supported architecture shares one implementation; the differences (qkv bias, q/k
-# norm, rope scaling, windows, soft-caps, norms, experts) are fields of ModelArgs.
-_REGISTRY = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
+# norm, rope scaling, windows, soft-caps, norms, experts, MLA) are fields of ModelArgs.
+# DeepSeek's subclass differs only in how its checkpoint loads.
+_REGISTRY: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(
+    SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+) | dict.fromkeys(DEEPSEEK_ARCHITECTURES, DeepseekForCausalLM)
 
 
 def get_layer_ops(device: str, fused: bool, deterministic: bool = False) -> LayerOps:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES, deepseek_fields
+
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -37,6 +39,8 @@ def arch_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, An
     kind = _rope_kind(rope)
     if kind in ("su", "longrope"):
         rope = _longrope(rope, cfg)
+    elif kind == "yarn":
+        rope = _yarn(rope, cfg)
     elif kind == "default":
         rope = {}
     act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
@@ -72,6 +76,8 @@ def arch_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, An
         }
     if arch in MOE_ARCHITECTURES:
         fields |= _moe_fields(arch, cfg, num_layers)
+    if arch in DEEPSEEK_ARCHITECTURES:
+        fields |= deepseek_fields(arch, cfg, num_layers, rope)
     return fields
 
 
@@ -99,6 +105,21 @@ def _longrope(rope: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     }
     if rope.get("attention_factor") is not None:
         out["attention_factor"] = float(rope["attention_factor"])
+    return out
+
+
+def _yarn(rope: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """YaRN (DeepSeek's configs): ``factor`` (or the ratio of the context lengths) and the
+    original context length are required; the rest keeps transformers' defaults."""
+    out = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"}
+    orig = rope.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if not orig:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    out["original_max_position_embeddings"] = int(orig)
+    if out.get("factor") is None:
+        out["factor"] = int(cfg.get("max_position_embeddings", orig)) / int(orig)
     return out
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.models.arch import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, arch_fields
+from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES, GroupedRouting, MLAArgs
 
 __all__ = ["GEMMA_ARCHITECTURES", "MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ModelArgs"]
 
@@ -24,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    *DEEPSEEK_ARCHITECTURES,
 )
 
 
@@ -74,6 +76,11 @@ class ModelArgs:
     # Layers that keep a dense MLP in an MoE model (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V2/V3 (engine/models/deepseek_args.py): multi-head latent attention, whose
+    # cache holds one latent per token (then ``num_kv_heads`` is 1 and ``head_dim`` the
+    # rope part's), and the MoE's grouped routing with shared experts.
+    mla: MLAArgs | None = None
+    routing: GroupedRouting | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -96,7 +103,7 @@ class ModelArgs:
             else ((int(eos),) if eos is not None else ())
         )
         num_layers = int(cfg["num_hidden_layers"])
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -111,12 +118,23 @@ class ModelArgs:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            **arch_fields(arch, cfg, num_layers),
         )
+        # The family's own fields may replace the generic ones (DeepSeek's head sizes).
+        return cls(**(fields | arch_fields(arch, cfg, num_layers)))
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the paged cache per layer: K and V (2), or MLA's one latent (1)."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Values per KV head and token in the cache (MLA: the latent and rope key)."""
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     @property
     def max_window(self) -> int:

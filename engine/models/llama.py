@@ -20,8 +20,10 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.tp_group import TPGroup
 from engine.models.config import ModelArgs
+from engine.models.deepseek_moe import DeepseekMoE
 from engine.models.fp8 import Fp8Act, Fp8Linear, fusable_input
 from engine.models.layer_ops import LayerOps, TorchOps
+from engine.models.mla import MLAttention
 from engine.models.moe import MoEBlock
 from engine.models.parallel import Shard, VocabParallelEmbedding, gather_logits
 from engine.models.rope import RotaryEmbedding
@@ -207,11 +209,16 @@ class DecoderLayer(nn.Module):
         ops = rope.ops
         window = args.layer_windows[index] if args.layer_windows else 0
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.self_attn = Attention(shard, rope, backend, tp, window)
+        self.self_attn: Attention | MLAttention
+        if args.mla is not None:  # DeepSeek: the latent cache (engine/models/mla.py)
+            self.self_attn = MLAttention(shard, rope, tp)
+        else:
+            self.self_attn = Attention(shard, rope, backend, tp, window)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.mlp: MLP | MoEBlock
         if args.is_moe and index not in args.dense_layers:
-            self.mlp = MoEBlock(shard, ops, tp)
+            moe = DeepseekMoE if args.routing is not None else MoEBlock
+            self.mlp = moe(shard, ops, tp)
         else:
             self.mlp = MLP(shard, ops, tp)
         # Gemma: the attention and MLP outputs are normed before they join the residual
@@ -237,7 +244,12 @@ class DecoderLayer(nn.Module):
         without that output added: the next norm adds it, fused with the norm."""
         attn, mlp = self.self_attn, self.mlp
         h: torch.Tensor | Fp8Act
-        if self.fp8_fused and attn.lora is None and fusable_input(attn.qkv_proj, x, residual):
+        if (
+            self.fp8_fused
+            and isinstance(attn, Attention)  # MLA runs unquantized (engine/models/support.py)
+            and attn.lora is None
+            and fusable_input(attn.qkv_proj, x, residual)
+        ):
             h, residual = self.input_layernorm.quant_forward(x, residual)
         elif residual is None:
             residual, h = x, self.input_layernorm(x)

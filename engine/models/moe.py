@@ -95,9 +95,14 @@ class MoEBlock(nn.Module):
             setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
             self.register_buffer(f"{name}_scale", scale.view(w.shape[0], -1), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])`` of the tokens ``x`` (DeepSeek's grouped
+        router overrides it: engine/models/deepseek_moe.py)."""
         logits = self.ops.linear(x, self.gate.weight, None)
-        weights, experts = route(logits, self.top_k, self.renormalize, x.dtype)
+        return route(logits, self.top_k, self.renormalize, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
         if x.is_cuda:
             from engine.models.triton_moe import fused_experts
 

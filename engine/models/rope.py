@@ -1,5 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" layout), with llama3, linear and longrope
-(Phi-3) scaling."""
+"""Rotary position embeddings (HF "rotate half" layout), with llama3, linear, longrope
+(Phi-3) and YaRN (DeepSeek) scaling."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, object])
         return inv_freq / factor
     if kind == "llama3":
         return _llama3(inv_freq, factor, scaling)
+    if kind == "yarn":
+        return _yarn(head_dim, theta, factor, scaling)
     raise ValueError(
         f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, "
-        "longrope)"
+        "longrope, yarn)"
     )
 
 
@@ -39,9 +41,13 @@ def rope_tables(
     than the original length in one piece differs: its early tokens use the short
     factors here)."""
     positions = torch.arange(max_positions, dtype=torch.float32)[:, None]
-    if str(scaling.get("rope_type", "")) != "longrope":
+    kind = str(scaling.get("rope_type", ""))
+    if kind != "longrope":
         freqs = positions * inverse_frequencies(head_dim, theta, scaling)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if kind == "yarn":
+            mag = yarn_attention_factor(scaling)
+            return emb.cos() * mag, emb.sin() * mag
         return emb.cos(), emb.sin()
     orig = int(scaling["original_max_position_embeddings"])  # type: ignore[call-overload]
     factor = float(scaling["factor"])  # type: ignore[arg-type]
@@ -72,6 +78,44 @@ def _llama3(inv_freq: torch.Tensor, factor: float, scaling: dict[str, object]) -
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn(head_dim: int, theta: float, factor: float, scaling: dict[str, object]) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those turning more than ``beta_fast`` times
+    kept, with a linear ramp between (the correction range rounded outwards unless
+    ``truncate`` is false), as transformers computes it."""
+    orig = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+    fast = float(scaling.get("beta_fast") or 32)  # type: ignore[arg-type]
+    slow = float(scaling.get("beta_slow") or 1)  # type: ignore[arg-type]
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_attention_factor(scaling: dict[str, object]) -> float:
+    """The magnitude YaRN gives cos/sin: ``attention_factor`` when set, else the ratio of
+    the ``mscale`` and ``mscale_all_dim`` corrections (DeepSeek), else ``0.1 ln(factor) + 1``."""
+    from engine.models.deepseek_args import yarn_mscale
+
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])  # type: ignore[arg-type]
+    factor = float(scaling["factor"])  # type: ignore[arg-type]
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dim))  # type: ignore[arg-type]
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
