@@ -25,14 +25,21 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
     slot per token of the request) as keyword arguments from ``store``/``retrieve``.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, planes: int = 2) -> None:
         self.num_layers = num_layers
         self.hidden = num_kv_heads * head_dim
+        self.planes = planes  # 2: K and V; 1: an MLA latent cache
         self.kvcaches: torch.Tensor | None = None
 
     def _slots_view(self, kv: torch.Tensor) -> torch.Tensor:
-        # [layers, 2, blocks, block, heads, dim] -> [2, layers, slots, heads*dim] (a view)
-        return kv.view(kv.shape[0], 2, -1, self.hidden).transpose(0, 1)
+        # [layers, P, blocks, block, heads, dim] -> [P, layers, slots, heads*dim] (a view)
+        return kv.view(kv.shape[0], self.planes, -1, self.hidden).transpose(0, 1)
+
+    @staticmethod
+    def _planes(t: torch.Tensor) -> torch.Tensor:
+        """A memory object as ``[planes, layers, tokens, hidden]``: LMCache's MLA format
+        drops the plane axis (``[layers, tokens, hidden]``)."""
+        return t.unsqueeze(0) if t.dim() == 3 else t
 
     @staticmethod
     def _run(slots: torch.Tensor) -> slice | None:
@@ -45,7 +52,7 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
 
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
-        dst = memory_obj.tensor[:, :, : end - start]
+        dst = self._planes(memory_obj.tensor)[:, :, : end - start]
         run = self._run(slots)
         if run is not None:
             copy_into(dst, self._slots_view(kv)[:, :, run])
@@ -55,7 +62,7 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
 
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
         kv, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
-        src = memory_obj.tensor[:, :, : end - start]
+        src = self._planes(memory_obj.tensor)[:, :, : end - start]
         run = self._run(slots)
         if run is not None:
             copy_into(self._slots_view(kv)[:, :, run], src)
@@ -80,4 +87,4 @@ class PagedCacheConnector(GPUConnectorInterface):  # type: ignore[misc]
             self.to_gpu(obj, s, e, **kwargs)
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, self.num_layers, num_tokens, self.hidden])
+        return torch.Size([self.planes, self.num_layers, num_tokens, self.hidden])

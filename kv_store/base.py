@@ -60,6 +60,9 @@ class KvLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Planes per layer: K and V (2), or one MLA latent per token (1; then num_kv_heads is
+    # 1 and head_dim the latent and rope key's width, docs/design.md §3 "MLA latent cache").
+    planes: int = 2
 
 
 @dataclass(slots=True)
@@ -181,7 +184,8 @@ class KVConnectorWorker(abc.ABC):
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
-        """Called once with this rank's cache ``[layers, 2, blocks, block, heads, dim]``."""
+        """Called once with this rank's cache ``[layers, planes, blocks, block, heads, dim]``
+        (``layout.planes``: 2 for K/V, 1 for an MLA latent cache)."""
 
     @abc.abstractmethod
     def start_save(self, transfer: KVTransfer) -> None:

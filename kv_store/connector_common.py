@@ -59,17 +59,24 @@ class AsyncConnectorBase(KVConnector):
     def bind_kv_cache(
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
-        """Check ``kv_cache`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` of
+        """Check ``kv_cache`` is ``[layers, planes, blocks, block_size, kv_heads, head_dim]`` of
         the layout's dtype, contiguous; ``ValueError`` otherwise."""
         if not model_fingerprint:
             raise ValueError("model_fingerprint must be non-empty")
         want_dtype = torch_dtype(layout.dtype)
         shape = tuple(kv_cache.shape)
-        expect = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        expect = (
+            layout.num_layers,
+            layout.planes,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         if kv_cache.dim() != 6 or (shape[:2] + shape[3:]) != expect:
             raise ValueError(
-                f"kv_cache shape {shape} does not match layout "
-                f"[{layout.num_layers}, 2, blocks, {layout.block_size}, {layout.num_kv_heads}, {layout.head_dim}]"
+                f"kv_cache shape {shape} does not match layout [{layout.num_layers}, "
+                f"{layout.planes}, blocks, {layout.block_size}, {layout.num_kv_heads}, "
+                f"{layout.head_dim}]"
             )
         if kv_cache.dtype != want_dtype:
             raise ValueError(

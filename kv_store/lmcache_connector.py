@@ -147,14 +147,18 @@ class LMCacheConnector(AsyncConnectorBase):
             kv_dtype=kv_cache.dtype,
             kv_shape=(
                 layout.num_layers,
-                2,
+                layout.planes,
                 layout.block_size,
                 layout.num_kv_heads,
                 layout.head_dim,
             ),
+            # A DeepSeek latent cache: one plane (LMCache's own MLA format).
+            use_mla=layout.planes == 1,
             chunk_size=layout.block_size,
         )
-        connector = gpu.PagedCacheConnector(layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        connector = gpu.PagedCacheConnector(
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.planes
+        )
         self._builder = cache_engine.LMCacheEngineBuilder
         engine = self._builder.get_or_create(
             self._instance_id, cfg, md, connector, lambda t, r: None, lambda o, r: o
@@ -311,7 +315,8 @@ class LMCacheConnector(AsyncConnectorBase):
 
     def _token_bytes(self) -> int:
         kv, layout = self._bound()
-        return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * kv.element_size()
+        per_layer = layout.planes * layout.num_kv_heads * layout.head_dim * kv.element_size()
+        return layout.num_layers * per_layer
 
     def _load(self, t: KVTransfer, deadline: Deadline) -> TransferResult:
         kv, _ = self._bound()

@@ -1,9 +1,9 @@
 """The KV block record codec (docs/design.md §3).
 
 A record is a fixed 64-byte little-endian header followed by the raw tensor bytes of one
-block, ``[layers, 2, block_tokens, kv_heads, head_dim]`` in C order::
+block, ``[layers, planes, block_tokens, kv_heads, head_dim]`` in C order::
 
-    magic "PDKV" | record version u16 | layout version u16 | dtype code u8 | pad u8 x3 |
+    magic "PDKV" | record version u16 | layout version u16 | dtype code u8 | kind u8 | pad u8 x2 |
     layers u32 | block tokens u32 | kv heads u32 | head dim u32 | payload bytes u64 |
     reserved u8 x4 | xxh3_64 u64   (over the 40 header bytes before it, then the payload) |
     mac u8 x16   (``record_mac.RecordMac`` over the record's key, the 48 bytes before it
@@ -28,6 +28,12 @@ shorter record. Encoding makes exactly one copy (cache view → record buffer); 
 view over the record's bytes. bfloat16 and float8 have no numpy dtype, so bytes move as
 int16 / int8. The dtype code (1 float32, 2 float16, 3 bfloat16, 4 float8_e4m3fn) is the
 cache's storage dtype, so a record of an fp8 cache is refused by a bfloat16 reader.
+
+``kind`` says what a layer's planes are: 0 K and V (2 planes; the byte was padding before,
+so every record written earlier reads as kind 0), 1 one MLA latent per token (1 plane,
+one "head" of ``kv_lora_rank + qk_rope_head_dim``; DeepSeek, docs/design.md §3 "MLA
+latent cache"). A reader of the other kind refuses the record as a layout mismatch that
+names both kinds, before any size is compared.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ RECORD_VERSION = 4
 # The checksummed fields; the 4 reserved bytes pad them to 40 so that, with the u64
 # checksum and the 16-byte MAC, the header is 64 bytes: a multiple of 16, keeping payload
 # views aligned.
-_HEADER = struct.Struct("<4sHHB3xIIIIQ4x")
+_HEADER = struct.Struct("<4sHHBB2xIIIIQ4x")
 _CHECKSUM = struct.Struct("<Q")
 _MAC_AT = _HEADER.size + _CHECKSUM.size  # the MAC covers the bytes before it
 HEADER_SIZE = _MAC_AT + MAC_SIZE
@@ -106,9 +112,22 @@ def torch_dtype(name: str) -> torch.dtype:
         ) from None
 
 
+# The kind byte per number of planes, and the words a refusal uses for each.
+_KIND_OF_PLANES = {2: 0, 1: 1}
+_KIND_NAMES = {0: "per-head K/V", 1: "MLA latent"}
+
+
+def layout_kind(layout: KvLayout) -> int:
+    """The header's kind byte for ``layout`` (``ValueError`` for another plane count)."""
+    try:
+        return _KIND_OF_PLANES[layout.planes]
+    except KeyError:
+        raise ValueError(f"unsupported KV planes {layout.planes}; expected 1 or 2") from None
+
+
 def block_shape(layout: KvLayout, num_tokens: int) -> tuple[int, int, int, int, int]:
     """Payload shape of a block holding ``num_tokens`` tokens."""
-    return (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    return (layout.num_layers, layout.planes, num_tokens, layout.num_kv_heads, layout.head_dim)
 
 
 def record_size(layout: KvLayout, num_tokens: int) -> int:
@@ -127,7 +146,7 @@ def encode_block(
     mac: RecordMac | None = None,
     key: str = "",
 ) -> bytearray:
-    """Encode one block ``[layers, 2, n, kv_heads, head_dim]`` (any strides, e.g. the view
+    """Encode one block ``[layers, planes, n, kv_heads, head_dim]`` (any strides, e.g. the view
     ``kv_cache[:, :, block_id, :n]``) into a record. ``ValueError`` if it does not match
     ``layout``. Returns ``out`` when it has exactly the record's size (reusing a buffer
     saves the page faults of a fresh one), else a fresh buffer the caller owns. With
@@ -139,7 +158,7 @@ def encode_block(
         raise ValueError(f"block dtype {tensor.dtype} does not match layout dtype {layout.dtype}")
     if tensor.dim() != 5:
         raise ValueError(
-            f"block must be 5-D [layers, 2, tokens, heads, dim], got {tuple(tensor.shape)}"
+            f"block must be 5-D [layers, planes, tokens, heads, dim], got {tuple(tensor.shape)}"
         )
     n = int(tensor.shape[2])
     if not 1 <= n <= layout.block_size or tuple(tensor.shape) != block_shape(layout, n):
@@ -157,6 +176,7 @@ def encode_block(
         RECORD_VERSION,
         layout.version,
         code,
+        layout_kind(layout),
         layout.num_layers,
         n,
         layout.num_kv_heads,
@@ -178,12 +198,21 @@ def _check_header(
     payload's token count."""
     if len(data) < HEADER_SIZE or total_len < HEADER_SIZE:
         raise KVRecordError(f"record too short: {total_len} bytes < header {HEADER_SIZE}")
-    magic, version, layout_version, code, layers, n, heads, dim, nbytes = _HEADER.unpack_from(data)
+    magic, version, layout_version, code, kind, layers, n, heads, dim, nbytes = _HEADER.unpack_from(
+        data
+    )
     if magic != MAGIC:
         raise KVRecordError(f"bad magic {bytes(magic)!r}: not a pdserve KV record")
     if version != RECORD_VERSION:
         raise KVRecordError(
             f"record version {version} is not supported (expected {RECORD_VERSION})"
+        )
+    if kind != layout_kind(layout):
+        raise RecordLayoutError(
+            f"record layout mismatch: the record holds a "
+            f"{_KIND_NAMES.get(kind, f'kind {kind}')} cache, the reader a "
+            f"{_KIND_NAMES[layout_kind(layout)]} cache (a DeepSeek model's blocks are "
+            "latents, not K and V)"
         )
     got = (layout_version, _CODE_TO_NAME.get(code, f"code {code}"), layers, heads, dim)
     want = (layout.version, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -211,7 +240,7 @@ def decode_block(
     mac: RecordMac | None = None,
     key: str = "",
 ) -> torch.Tensor:
-    """Decode a record into a tensor ``[layers, 2, n, kv_heads, head_dim]`` of the layout's
+    """Decode a record into a tensor ``[layers, planes, n, kv_heads, head_dim]`` of the layout's
     dtype that views ``data`` (no copy; treat it as read-only). Raises ``KVRecordError`` on
     bad magic, version, layout mismatch, wrong token count, truncation or checksum, and
     (with ``mac``) ``RecordMacError`` unless the record was sealed for ``key``."""
@@ -241,15 +270,15 @@ def cache_numpy(kv_cache: torch.Tensor) -> np.ndarray | None:
 
 
 def block_parts(cache_np: np.ndarray, block_id: int, num_tokens: int) -> list[memoryview]:
-    """The ``2 × layers`` contiguous pieces of one block's first ``num_tokens`` tokens, in
-    record payload order (C order of ``[layers, 2, n, heads, dim]``), as byte views of the
+    """The ``planes × layers`` contiguous pieces of one block's first ``num_tokens`` tokens,
+    in record payload order (C order of ``[layers, planes, n, heads, dim]``), as byte views of the
     cache (from ``cache_numpy``): a writer hands them to ``writev``/``sendmsg`` and a
     reader ``readv``s/``recvmsg_into``s into them, with no intermediate buffer. Sliced
     from one flat view: ~10x cheaper than numpy indexing for the 60-64 pieces a block has."""
     flat = cache_np.data.cast("B")
     s_layer, s_kv, s_block, s_token = cache_np.strides[:4]
     start, size = block_id * s_block, num_tokens * s_token
-    # C order: layer l, half kv starts at l * s_layer + kv * s_kv, and s_layer == 2 * s_kv.
+    # C order: layer l, plane p starts at l * s_layer + p * s_kv, and s_layer == planes * s_kv.
     return [
         flat[start + off : start + off + size]
         for off in range(0, cache_np.shape[0] * s_layer, s_kv)
@@ -273,6 +302,7 @@ def record_header(
         RECORD_VERSION,
         layout.version,
         code,
+        layout_kind(layout),
         layout.num_layers,
         num_tokens,
         layout.num_kv_heads,

@@ -88,6 +88,7 @@ class TPRankWorker:
                 int(kv.shape[0]),
                 int(kv.shape[4]),
                 int(kv.shape[5]),
+                planes=int(kv.shape[1]),
             )
             fingerprint = rank_fingerprint(msg["fingerprint"], self.rank, int(msg["size"]))
             connector.bind_kv_cache(kv, layout, fingerprint)

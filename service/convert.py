@@ -128,6 +128,17 @@ def check_handle_compatible(handle: pb.KvHandle, engine: Any) -> None:
         except ValueError as e:
             diffs = [str(e)]
     if diffs:
+        from engine.kv.fingerprint import kv_kind_of
+
+        theirs_kind, mine_kind = (
+            kv_kind_of(handle.model_fingerprint),
+            kv_kind_of(engine.model_fingerprint),
+        )
+        if theirs_kind != mine_kind:  # a DeepSeek pool paired with another model's
+            diffs.insert(
+                0,
+                f"KV cache kind {theirs_kind} (prefill) != {mine_kind} (this decode instance)",
+            )
         raise IncompatibleKvHandle(
             "incompatible kv_handle (the prefill instance runs a different model or KV layout): "
             + "; ".join(diffs)

@@ -3,7 +3,9 @@
 It covers the model's config, the identity of its weights, the model dtype, the KV cache
 dtype (when not the model's), the block size and the KV layout version; when above 1 the
 tensor-parallel size ends it as ``-tp{N}`` and the pipeline-parallel size as ``-pp{P}``
-before it (docs/design.md §3): a split, not another KV, so it is not hashed. Weights are
+before it (docs/design.md §3): a split, not another KV, so it is not hashed. A DeepSeek
+model's (an MLA latent cache) carries ``-mla`` first, so a peer holding per-head K/V
+names the kind when it refuses a handle (``kv_kind_of``). Weights are
 identified by file names, sizes, the safetensors headers and a sample of tensor bytes
 (hashing many GB at every start would be too slow). ``kv_layout`` is the other half of
 compatibility: the shape of the blocks that records and handles carry.
@@ -26,6 +28,7 @@ def model_fingerprint(config: EngineConfig) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(config.hf_config(), sort_keys=True, default=str).encode())
     h.update(f"|{config.torch_dtype_name}|{config.block_size}|v{KV_LAYOUT_VERSION}|".encode())
+    mla = is_mla_config(config.hf_config())
     if config.kv_cache_dtype != "auto":
         # An fp8 cache's blocks are other bytes than the model dtype's: their store keys
         # must differ (auto keeps its old value, so existing records stay valid).
@@ -45,8 +48,14 @@ def model_fingerprint(config: EngineConfig) -> str:
         for name in sorted(os.listdir(config.model)):
             if name.endswith(".safetensors"):
                 _hash_weights_file(h, os.path.join(config.model, name))
-    # The sizes are also spelled out, so a refused handle can say which P and N it came from.
-    return h.hexdigest()[:32] + (f"-pp{pp}" if pp > 1 else "") + (f"-tp{tp}" if tp > 1 else "")
+    # The sizes are also spelled out, so a refused handle can say which P and N it came from,
+    # and an MLA latent cache's kind, so a K/V peer can say why it refuses one.
+    return (
+        h.hexdigest()[:32]
+        + ("-mla" if mla else "")
+        + (f"-pp{pp}" if pp > 1 else "")
+        + (f"-tp{tp}" if tp > 1 else "")
+    )
 
 
 def kv_layout(config: EngineConfig, args: ModelArgs, num_kv_heads: int) -> KvLayout:
@@ -64,7 +73,8 @@ def kv_layout(config: EngineConfig, args: ModelArgs, num_kv_heads: int) -> KvLay
         config.block_size,
         len(stage0.layers),
         num_kv_heads,
-        args.head_dim,
+        args.kv_head_dim,
+        planes=args.kv_planes,
     )
 
 
@@ -72,6 +82,19 @@ def base_fingerprint(fingerprint: str) -> str:
     """The part of a fingerprint that names the model, dtypes, block size and layout: equal
     for two engines whose blocks hold the same KV, however each splits it over its grid."""
     return fingerprint.split("-", 1)[0]
+
+
+def is_mla_config(cfg: dict[str, object]) -> bool:
+    """Whether a config.json's model caches MLA latents (DeepSeek-V2/V3)."""
+    from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES
+
+    archs = cfg.get("architectures")
+    return isinstance(archs, list) and bool(archs) and archs[0] in DEEPSEEK_ARCHITECTURES
+
+
+def kv_kind_of(fingerprint: str) -> str:
+    """What a fingerprint's blocks hold: "MLA latent" (``-mla``) or "per-head K/V"."""
+    return "MLA latent" if "mla" in fingerprint.split("-")[1:] else "per-head K/V"
 
 
 def tensor_parallel_size_of(fingerprint: str) -> int:

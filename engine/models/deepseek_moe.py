@@ -8,6 +8,8 @@ round away the small differences that decide the top-k)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -92,6 +94,7 @@ class DeepseekMoE(MoEBlock):
         a = shard.args
         assert a.routing is not None
         self.routing = a.routing
+        # ``gate``: the checkpoint's name (MoEBlock's plain router is replaced).
         self.gate = RouterGate(a.hidden_size, a.num_experts, a.routing.correction_bias)  # type: ignore[assignment]
         self.shared_experts: SharedExperts | None = None
         if a.routing.n_shared_experts:
@@ -99,8 +102,9 @@ class DeepseekMoE(MoEBlock):
             self.shared_experts = SharedExperts(a.hidden_size, inter, ops, tp)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight)
-        bias = self.gate.e_score_correction_bias  # type: ignore[union-attr]
+        gate = cast(RouterGate, self.gate)
+        logits = torch.nn.functional.linear(x.float(), gate.weight)
+        bias = gate.e_score_correction_bias
         weights, experts = grouped_route(logits, self.routing, self.top_k, self.renormalize, bias)
         # On the CPU the float32 weights scale each expert's output in float32 before it
         # joins the sum, as transformers does; the CUDA kernel takes the model dtype.

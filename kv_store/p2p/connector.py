@@ -115,7 +115,13 @@ class P2PConnector(KVConnector):
     ) -> None:
         """Check the cache against ``layout`` and start the control server."""
         shape = tuple(kv_cache.shape)
-        expect = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        expect = (
+            layout.num_layers,
+            layout.planes,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         if kv_cache.dim() != 6 or shape[:2] + shape[3:] != expect:
             raise ValueError(f"kv_cache shape {shape} does not match layout {layout}")
         if str(kv_cache.dtype) != f"torch.{layout.dtype}":
@@ -134,6 +140,10 @@ class P2PConnector(KVConnector):
             "num_kv_heads": layout.num_kv_heads,
             "head_dim": layout.head_dim,
         }
+        if layout.planes != 2:
+            # An MLA latent cache (one plane): a K/V peer's hello lacks the key and is
+            # refused by name (server.py); K/V layouts keep the dict they always had.
+            layout_dict["planes"] = layout.planes
         identity = device_identity(kv_cache.device)
         self._kv, self._layout = kv_cache, layout
         serve = ServeConfig(

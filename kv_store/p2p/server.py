@@ -150,7 +150,7 @@ class PullServer:
             logger.warning("p2p: refused a peer without the control-plane token")
             self._counters.failed("auth")
         elif hello.get("fingerprint") != cfg.fingerprint or hello.get("layout") != cfg.layout:
-            refusal = ("the peer runs a different model or KV layout", "layout")
+            refusal = (_layout_refusal(hello.get("layout"), cfg.layout), "layout")
         backend = ""
         if refusal is None:
             try:
@@ -258,3 +258,19 @@ class PullServer:
         end = time.monotonic() + timeout_s
         for thread in [self._thread, *threads]:
             thread.join(max(0.0, end - time.monotonic()))
+
+
+def _kv_kind(layout: object) -> str:
+    planes = layout.get("planes", 2) if isinstance(layout, dict) else 2
+    return "an MLA latent cache" if planes == 1 else "a per-head K/V cache"
+
+
+def _layout_refusal(theirs: object, mine: dict[str, Any]) -> str:
+    """Why a peer's hello is refused, naming the cache kinds when they differ (a DeepSeek
+    latent cache against a K/V one: docs/design.md §3 "MLA latent cache")."""
+    if _kv_kind(theirs) != _kv_kind(mine):
+        return (
+            f"the peer runs a different model or KV layout: it holds {_kv_kind(theirs)}, "
+            f"this instance {_kv_kind(mine)}"
+        )
+    return "the peer runs a different model or KV layout"
