@@ -73,9 +73,10 @@ def test_header_is_64_bytes_so_the_payload_stays_16_byte_aligned() -> None:
 
 
 # A payload byte (start, end), the checksum itself, and header bytes that no field check
-# looks at (dtype padding at 9, reserved at 37): only the checksum can catch those. (The
-# MAC field, 48..63, is checked only by a reader with the KV secret: test_kv_record_mac.)
-@pytest.mark.parametrize("where", [HEADER_SIZE + 7, -1, 47, 40, 9, 37])
+# looks at (padding at 10 after the kind byte, reserved at 37): only the checksum can catch
+# those. (The MAC field, 48..63, is checked only by a reader with the KV secret:
+# test_kv_record_mac; a flipped kind byte, 9, is refused as another layout: test_mla_kv.)
+@pytest.mark.parametrize("where", [HEADER_SIZE + 7, -1, 47, 40, 10, 37])
 def test_any_flipped_byte_is_detected(where: int) -> None:
     rec = encode_block(cache()[:, :, 0], LAYOUT)
     rec[where] ^= 0x01
