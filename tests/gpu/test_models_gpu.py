@@ -29,7 +29,16 @@ pytestmark = [
 # Bounds for random tiny models in bf16 (near-ties are common): stated, not tuned per run.
 MIN_TOP1 = 0.9
 MAX_LOGPROB_ERR = 0.15
-GPU_ARCHS = ("gemma2", "gemma3", "mixtral", "qwen3_moe", "mistral_window", "phi3")
+GPU_ARCHS = (
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "mistral_window",
+    "phi3",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 # (hidden, moe inter, experts, top_k): the MoE layer shapes of the two reference models.
 MOE_SHAPES = {"qwen3_30b_a3b": (2048, 768, 128, 8), "mixtral_8x7b": (4096, 14336, 8, 2)}
 
