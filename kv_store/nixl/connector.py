@@ -76,7 +76,13 @@ class NixlConnector(KVConnector):
         self, kv_cache: torch.Tensor, layout: KvLayout, model_fingerprint: str
     ) -> None:
         """Check the cache, register it with a new agent and start the progress thread."""
-        expect = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        expect = (
+            layout.num_layers,
+            layout.planes,  # 1 for an MLA latent cache (docs/design.md §3)
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         shape = tuple(kv_cache.shape)
         if kv_cache.dim() != 6 or shape[:2] + shape[3:] != expect:
             raise ValueError(f"kv_cache shape {shape} does not match layout {layout}")
@@ -92,6 +98,8 @@ class NixlConnector(KVConnector):
             "num_kv_heads": layout.num_kv_heads,
             "head_dim": layout.head_dim,
         }
+        if layout.planes != 2:  # as p2p's hello: K/V layouts keep their dict
+            layout_dict["planes"] = layout.planes
         self._kv = kv_cache
         self._agent = agent = PoolAgent(kv_cache, layout_dict, model_fingerprint)
         self._card_text = agent.card.encode()

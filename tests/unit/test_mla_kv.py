@@ -11,8 +11,6 @@ import pytest
 import torch
 
 from engine.kv.fingerprint import kv_kind_of
-from engine_service.convert import check_handle_compatible, kv_handle_fields
-from engine_service.errors import IncompatibleKvHandle
 from kv_store.base import KvLayout
 from kv_store.p2p.server import _layout_refusal
 from kv_store.record import (
@@ -26,6 +24,8 @@ from kv_store.record import (
     record_size,
 )
 from pdserve_api.v1 import pdserve_pb2 as pb
+from service.convert import check_handle_compatible, kv_handle_fields
+from service.errors import IncompatibleKvHandle
 
 # DeepSeek-V2-Lite's latent (512 + 64) over 3 layers, and a K/V layout of equal bytes.
 MLA = KvLayout(1, "bfloat16", 4, 3, 1, 576, planes=1)
