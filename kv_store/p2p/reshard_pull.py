@@ -116,7 +116,8 @@ class ReshardPull:
 
     def _scratch(self, layout: KvLayout, n: int) -> torch.Tensor:
         shape = (
-            layout.num_layers, 2, max(1, n), layout.block_size, layout.num_kv_heads, layout.head_dim
+            layout.num_layers, layout.planes, max(1, n), layout.block_size, layout.num_kv_heads,
+            layout.head_dim,
         )  # fmt: skip
         return torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
 

@@ -77,8 +77,11 @@ def test_p2p_hello_refusal_names_the_kinds() -> None:
 
 
 def test_decode_instance_refuses_a_latent_handle_by_kind() -> None:
-    llama = SimpleNamespace(model_fingerprint="a" * 32, kv_layout=KV)
-    deepseek = SimpleNamespace(model_fingerprint="b" * 32 + "-mla", kv_layout=MLA)
+    grid = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1)
+    llama = SimpleNamespace(model_fingerprint="a" * 32, kv_layout=KV, config=grid, args=None)
+    deepseek = SimpleNamespace(
+        model_fingerprint="b" * 32 + "-mla", kv_layout=MLA, config=grid, args=None
+    )
     assert kv_kind_of(deepseek.model_fingerprint) == "MLA latent"
     assert kv_kind_of("c" * 32 + "-mla-tp2") == "MLA latent"
     assert kv_kind_of(llama.model_fingerprint + "-tp2") == "per-head K/V"
