@@ -191,6 +191,8 @@ class ModelRunner:
             or not (self.config.cuda_graphs and self.config.mixed_cuda_graphs)
             or self.stage.size > 1
             or not buckets
+            # MLA's prefill chunks go request by request on host lengths (engine/models/mla.py)
+            or self.args.mla is not None
         ):
             return None
         graphs = MixedGraphs(
