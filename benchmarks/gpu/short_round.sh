@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A short GPU round in one device call (~8 min), for a session with little device time left:
+# the mixed-step graph tests, the online rows of pdserve again (colocated, bf16 and FP8, the
+# same prompts and rates as the recorded vLLM run of benchmarks/peers/README.md "Online"),
+# then the model GPU tests. Carry out/pd_two_gpu_carry and .carry/tokenizer (see
+# benchmarks/peers/online_round.sh). Each step has its own deadline; what finished is in $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+bash benchmarks/peers/online_round.sh setup
+PER_FILE_S=${MIXED_TESTS_S:-100} bash benchmarks/gpu/run_gpu_tests.sh tests/gpu/test_mixed_graphs_gpu.py
+bash benchmarks/peers/online_round.sh pd colocated bf16
+bash benchmarks/peers/online_round.sh pd colocated fp8
+PER_FILE_S=${MODEL_TESTS_S:-100} bash benchmarks/gpu/run_gpu_tests.sh tests/gpu/test_models_gpu.py
