@@ -9,6 +9,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 bash benchmarks/peers/online_round.sh setup
 PER_FILE_S=${MIXED_TESTS_S:-100} bash benchmarks/gpu/run_gpu_tests.sh tests/gpu/test_mixed_graphs_gpu.py
-bash benchmarks/peers/online_round.sh pd colocated bf16
-bash benchmarks/peers/online_round.sh pd colocated fp8
+PD_TIMEOUT=175 bash benchmarks/peers/online_round.sh pd colocated bf16
+PD_TIMEOUT=175 bash benchmarks/peers/online_round.sh pd colocated fp8
 PER_FILE_S=${MODEL_TESTS_S:-100} bash benchmarks/gpu/run_gpu_tests.sh tests/gpu/test_models_gpu.py

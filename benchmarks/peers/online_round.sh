@@ -31,7 +31,7 @@ case "$step" in
     ;;
   pd)
     mode=${2:?mode}; precision=${3:?precision}; stash "${4:-}"
-    PYTHONPATH=$SITE:$PWD timeout 540 python3 -m benchmarks.peers.online --server pdserve --mode "$mode" \
+    PYTHONPATH=$SITE:$PWD timeout ${PD_TIMEOUT:-540} python3 -m benchmarks.peers.online --server pdserve --mode "$mode" \
       --precision "$precision" --rates "$RATES" --num-prompts "$PROMPTS" --tokenizer "$(tok)" \
       --workdir "$STATE/work" --log "$OUT/pdserve-$mode-$precision.log" \
       --json "$OUT/online_pdserve-$mode-$precision.json" 2>&1 | grep -v "^pdserve bench\|INFO" | tail -30
