@@ -210,8 +210,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # runs run()'s finally: the server stops
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_term)
     doc = run(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
