@@ -10,7 +10,9 @@ latency; "added" = token-2 time - ITL is what the handoff costs over a colocated
         --prompt-len 4096 --repeats 5     # writes benchmarks/results/kv/p2p_handoff_gpu.json
 
 With both engines on one GPU the p2p connector moves blocks by CUDA IPC (NCCL refuses two
-ranks on one GPU); on two GPUs, over NCCL. Only torch and the repository are needed.
+ranks on one GPU); on two GPUs, over NCCL. ``nixl`` (``--connectors p2p,nixl``) READs them
+through UCX (CUDA IPC on one GPU); it needs the NIXL wheel (benchmarks/gpu/nixl_wheels.sh).
+Only torch and the repository (and for nixl, NIXL) are needed.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def _engine(settings: dict[str, Any], blocks: int, max_len: int) -> Any:
         kv_cache_dtype=os.environ.get("P2P_BENCH_KV_DTYPE", "auto"),
     )
     return LLMEngine(config, connector)
+
+
+def bench_prompt(i: int, length: int) -> list[int]:
+    """Prompt ``i`` of a run: deterministic token ids inside the model's vocabulary."""
+    import os
+
+    config = Path(os.environ.get("P2P_BENCH_CONFIG", str(CONFIG))) / "config.json"
+    vocab = int(json.loads(config.read_text()).get("vocab_size", 32000))
+    return [(7919 * (i + 1) * (j + 3)) % (vocab - 10) + 10 for j in range(length)]
 
 
 def _producer(conn: Any, settings: dict[str, Any], blocks: int, max_len: int) -> None:
@@ -105,6 +116,7 @@ def _consume(engine: Any, rid: str, prompt: list[int], handle: dict[str, Any], n
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params, output_token_ids=[handle["first"]], remote_kv=remote)
     stamps: list[float] = []
+    tokens = [handle["first"]]
     load_s, recomputed = 0.0, 0
     while engine.has_unfinished():
         steps = engine.num_steps
@@ -115,6 +127,7 @@ def _consume(engine: Any, rid: str, prompt: list[int], handle: dict[str, Any], n
             time.sleep(0.001)
         for out in outputs:
             if out.new_token_ids:
+                tokens += out.new_token_ids
                 stamps.append(time.perf_counter())
                 load_s = load_s or out.kv_load_seconds
                 recomputed = recomputed or out.kv_blocks_recomputed
@@ -125,6 +138,7 @@ def _consume(engine: Any, rid: str, prompt: list[int], handle: dict[str, Any], n
         "itl_ms": itl * 1e3,
         "load_ms": load_s * 1e3,
         "blocks_recomputed": recomputed,  # > 0: the handoff failed and decode recomputed
+        "tokens": tokens,
     }
 
 
@@ -145,7 +159,7 @@ def run(connector: str, args: argparse.Namespace, workdir: str) -> dict[str, Any
         consumer_token_bytes = [kv[:, :, 0, 0].numel() * kv.element_size()]
         rows = []
         for i in range(args.repeats + 1):  # the first is a warm-up (graphs, first pair)
-            prompt = [(7919 * (i + 1) * (j + 3)) % 32000 + 10 for j in range(args.prompt_len)]
+            prompt = bench_prompt(i, args.prompt_len)
             parent.send(prompt)
             assert parent.poll(120), "producer did not answer"
             handle = parent.recv()
@@ -159,7 +173,8 @@ def run(connector: str, args: argparse.Namespace, workdir: str) -> dict[str, Any
         proc.join(60)
         if proc.is_alive():
             proc.kill()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "blocks_recomputed"}
+    skip = ("blocks_recomputed", "tokens")
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in skip}
     kv_bytes = args.prompt_len * consumer_token_bytes[0]
     return {
         "connector": connector,
