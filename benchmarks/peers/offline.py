@@ -67,13 +67,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def build_pdserve(model_dir: str, precision: str, device: str) -> tuple[Generate, dict[str, Any]]:
+def build_pdserve(
+    model_dir: str, precision: str, device: str, overrides: dict[str, Any] | None = None
+) -> tuple[Generate, dict[str, Any]]:
+    """``overrides``: more ``EngineConfig`` fields (``--pdserve-set``: A/B runs of one
+    setting, e.g. ``mixed_cuda_graphs=false``)."""
     from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
 
     kwargs: dict[str, Any] = dict(SETTINGS, device=device, dtype="bfloat16", load_format="dummy")
     if precision == "fp8":
         kwargs.update(quantization="fp8", kv_cache_dtype="fp8")
+    kwargs.update(overrides or {})
     if device == "cpu":
         kwargs.update(dtype="float32", num_kv_blocks=1 + 16 * 200)
         kwargs.pop("gpu_memory_utilization")
@@ -102,6 +107,9 @@ def build_pdserve(model_dir: str, precision: str, device: str) -> tuple[Generate
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "async_scheduling": cfg.async_scheduling_on,
         "cuda_graphs": cfg.cuda_graphs,
+        "mixed_cuda_graphs": cfg.mixed_cuda_graphs,
+        "fp8_fused_quant": cfg.fp8_fused_quant,
+        "overrides": overrides or {},
         "attention_backend": llm.engine.runner.backend.name,
         "warmup_s": round(llm.warmup_seconds, 2),
     }
@@ -209,6 +217,13 @@ def run_rows(
     save()
 
 
+def _json_or_str(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -222,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", default=None, help="default: benchmarks/results/peers/<engine>_<precision>.json"
     )
+    ap.add_argument(
+        "--pdserve-set", action="append", default=[], metavar="FIELD=VALUE",
+        help="an EngineConfig field for our engine only (JSON value: true, 2048; repeatable)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     path = Path(args.json or RESULTS / f"{args.engine}_{args.precision}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         out["torch"] = torch.__version__
     build = build_vllm if args.engine == "vllm" else build_pdserve
     t0 = time.perf_counter()
-    generate, described = build(model_dir, args.precision, device)
+    if args.pdserve_set and args.engine == "pdserve":
+        overrides = {k: _json_or_str(v) for k, v in (s.split("=", 1) for s in args.pdserve_set)}
+        generate, described = build_pdserve(model_dir, args.precision, device, overrides)
+    else:
+        generate, described = build(model_dir, args.precision, device)
     out["build_s"] = round(time.perf_counter() - t0, 1)
     out["engine_config"] = described
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
