@@ -24,6 +24,7 @@ from router.legs.trace import Delta, Job, Trace
 from router.lora import routing_root
 from router.openai.admission import check_fits, check_prompt, prompts_of
 from router.openai.answer import AnswerFormat, Formatter, Usage
+from router.openai.client_gone import ClientGone, first_or_gone, wait_disconnect
 from router.openai.deps import Deps
 from router.openai.protocol import (
     ChatCompletionRequest,
@@ -180,7 +181,11 @@ async def handle_generation(
     run = _run_jobs(deps.orchestrator, jobs, trace)
     try:
         if req.stream:
-            first = await anext(run, None)
+            try:
+                first = await first_or_gone(request, run)
+            except ClientGone:  # left before its first token: its prefill is cancelled
+                trace.finish(deps.metrics, "cancelled")
+                return Response(status_code=499)
             if first is None:
                 raise APIError(500, "the request produced no output", code="empty_output")
             trace.on_delta(first)
@@ -309,13 +314,6 @@ async def _stream(
         trace.finish(deps.metrics, outcome)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _complete(
     request: Request,
     deps: Deps,
@@ -333,7 +331,7 @@ async def _complete(
             fmt.absorb(delta)
 
     work = asyncio.create_task(collect())
-    watcher = asyncio.create_task(_wait_disconnect(request))
+    watcher = asyncio.create_task(wait_disconnect(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
