@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.system.chaos_hostile import HOSTILE
+
 
 def _grpc_flood(address: str) -> dict[str, Any]:
     """32 unauthenticated 40 MiB ``Decode`` messages, 8 at a time (refused from the
@@ -86,7 +88,7 @@ async def _grammar_bomb(base: str, model: str) -> dict[str, Any]:
             "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
-ATTACKS = ("grpc_flood", "body_flood", "abort_storm", "grammar_bomb")
+ATTACKS = ("grpc_flood", "body_flood", "abort_storm", "grammar_bomb", *HOSTILE)
 
 
 def main(argv: list[str]) -> int:
@@ -99,6 +101,8 @@ def main(argv: list[str]) -> int:
         done = asyncio.run(_abort_storm(where["base"], where["model"]))
     elif fault == "grammar_bomb":
         done = asyncio.run(_grammar_bomb(where["base"], where["model"]))
+    elif fault in HOSTILE:
+        done = asyncio.run(HOSTILE[fault](where["base"], where["model"]))
     else:
         print(f"unknown attack {fault!r}; one of {', '.join(ATTACKS)}", file=sys.stderr)
         return 2

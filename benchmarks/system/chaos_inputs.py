@@ -8,7 +8,9 @@ unrelated stream whose worst stall each phase records.
 - ``body_flood``: chat bodies just under the router's 4 MiB limit, 8 at once, with the
   most messages allowed (templated and tokenized off the event loop);
 - ``abort_storm``: 500 streams opened and dropped right after their first chunk;
-- ``grammar_bomb``: requests whose ``guided_choice`` has 20 000 long choices.
+- ``grammar_bomb``: requests whose ``guided_choice`` has 20 000 long choices;
+- issue #36's hostile clients (``chaos_hostile.py``): ``many_messages``,
+  ``prefirst_storm``, ``deep_schema``, ``tokenize_flood``, ``remote_ref``.
 
 The four request faults run in ``chaos_attack.py``, a child process at the lowest CPU
 priority (the attacker stands for a client on another machine).
@@ -29,8 +31,9 @@ from typing import Any
 import httpx
 
 from benchmarks.system.chaos_attack import ATTACKS
+from benchmarks.system.chaos_hostile import HOSTILE
 
-INPUT_FAULTS = ("squat_decode", "grpc_flood", "body_flood", "abort_storm", "grammar_bomb")
+INPUT_FAULTS = ("squat_decode", "grpc_flood", "body_flood", "abort_storm", "grammar_bomb", *HOSTILE)
 
 
 class StallWatch:
