@@ -29,6 +29,10 @@ _RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.CANCELLED,  # only reaches us when the server side cancelled
     grpc.StatusCode.ABORTED,
+    # A service restarted since the last health round proved its identity: the call's
+    # credential names the old instance (router/routing/service_auth.py). The instance is
+    # marked failed and the call fails over; the next round proves the new one.
+    grpc.StatusCode.UNAUTHENTICATED,
 }
 
 
