@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -111,6 +112,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    # Replies go to the real stdout; anything a library prints (UCX, NIXL) goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     torch.set_num_threads(1)
     layout = KvLayout(**cfg["layout"])
     device = cfg.get("device", "cpu")
@@ -165,6 +169,7 @@ def main() -> None:
     def finish(cmd: dict[str, Any], started: tuple[KVTransfer, float]) -> dict[str, Any]:
         t, t0 = started
         got = claim(t.request_id, "load", cmd.get("wait_s", 120.0))
+        seconds = time.monotonic() - t0  # the pull only, not the check below
         r = got or TransferResult(t.request_id, "load", False, failure_reason="no-result")
         equal = None
         if cmd.get("src_seed") is not None and r.num_loaded_blocks:
@@ -180,10 +185,10 @@ def main() -> None:
             "error": r.error,
             "bytes": r.bytes_moved,
             "equal": equal,
-            "seconds": time.monotonic() - t0,
+            "seconds": seconds,
         }
 
-    print(json.dumps({"address": conn.address}), flush=True)
+    print(json.dumps({"address": conn.address}), file=out, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["cmd"]
@@ -218,7 +223,7 @@ def main() -> None:
             break
         else:
             reply = {"error": f"unknown command {op}"}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=out, flush=True)
     conn.close()
 
 
