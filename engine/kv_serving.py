@@ -48,6 +48,7 @@ class KVServing:
         request.kv_load_seconds = outcome.seconds
         request.kv_blocks_loaded = outcome.blocks_loaded
         request.kv_blocks_recomputed = outcome.blocks_recomputed
+        request.kv_bytes_loaded = outcome.bytes_loaded
         if not outcome.ok:
             return [self._fail(request, outcome.error or "KV load failed")]
         self.scheduler.make_ready(request)

@@ -92,5 +92,7 @@ class OutputProcessor:
             kv_load_seconds=request.kv_load_seconds,
             kv_blocks_loaded=request.kv_blocks_loaded,
             kv_blocks_recomputed=request.kv_blocks_recomputed,
+            kv_blocks_local=request.kv_blocks_local,
+            kv_bytes_loaded=request.kv_bytes_loaded,
             queue_seconds=queued,
         )

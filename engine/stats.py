@@ -46,3 +46,4 @@ class EngineStats:
     transport: object | None = None
     host_tier: HostTierStats | None = None  # the host KV tier's counters, when it is on
     kv_events: KvEventStats | None = None  # the KV event publisher's, when events are on
+    kv_blocks_local: int = 0  # handoff prompt blocks found in the prefix cache, not moved

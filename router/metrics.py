@@ -120,7 +120,8 @@ class RouterMetrics:
         )
         self.kv_transfer_blocks = Counter(
             "pdserve_kv_transfer_blocks",
-            "KV blocks of the requests' handoffs, by connector and direction",
+            "KV blocks of the requests' handoffs, by connector and direction (save, load, "
+            "on_decode: held by the decode already, not moved)",
             ["connector", "direction"],
             registry=r,
         )

@@ -93,6 +93,8 @@ def phase_timings(
         kv_load_s=out.kv_load_seconds,
         kv_blocks_loaded=out.kv_blocks_loaded,
         kv_blocks_recomputed=out.kv_blocks_recomputed,
+        kv_blocks_local=out.kv_blocks_local,
+        kv_bytes_loaded=out.kv_bytes_loaded,
     )
 
 

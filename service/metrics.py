@@ -13,6 +13,7 @@ collector), so they are never stale and cost nothing between scrapes; per-reques
 | pdserve_kv_failures_total | counter | connector, role, reason |
 | pdserve_kv_load_fallbacks_total | counter | role, reason |
 | pdserve_kv_blocks_recomputed_total | counter | role |
+| pdserve_kv_blocks_local_total | counter | role |
 | pdserve_kv_p2p_* (leases, blocks held, lease ends, bytes, transfer seconds) | see p2p_metrics |
 | pdserve_lora_{loads,evictions,slot_timeouts}_total | counter | role |
 | pdserve_lora_{resident_adapters,registered_adapters,waiting_for_slot} | gauge | role |
@@ -176,6 +177,13 @@ class _EngineCollector(Collector):
         )
         recomputed.add_metric([self._role], float(stats.kv_blocks_recomputed))
         yield recomputed
+        local = CounterMetricFamily(
+            "pdserve_kv_blocks_local",
+            "handoff prompt blocks this instance held already (its prefix cache): not moved",
+            labels=["role"],
+        )
+        local.add_metric([self._role], float(stats.kv_blocks_local))
+        yield local
 
 
 @dataclasses.dataclass(slots=True)

@@ -45,6 +45,8 @@ class RequestOutput:
     kv_load_seconds: float = 0.0
     kv_blocks_loaded: int = 0
     kv_blocks_recomputed: int = 0
+    kv_blocks_local: int = 0  # a handoff's prompt blocks found in this instance's cache
+    kv_bytes_loaded: int = 0  # what the handoff's load moved
     queue_seconds: float = 0.0
     error: str | None = None  # set when the engine failed the request (e.g. KV load, policy "fail")
     # Logprob of prompt token i + 1 at index i (SamplingParams.prompt_logprobs), on the

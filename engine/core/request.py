@@ -80,6 +80,8 @@ class Request:
     kv_load_seconds: float = 0.0
     kv_blocks_loaded: int = 0
     kv_blocks_recomputed: int = 0
+    kv_blocks_local: int = 0  # prompt blocks this instance held already (not moved)
+    kv_bytes_loaded: int = 0
     # Logprob of prompt token i + 1 at index i (engine/sampling/prompt_logprobs.py); sent once.
     prompt_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs_sent: bool = False

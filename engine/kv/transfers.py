@@ -29,6 +29,9 @@ class TransferStats:
     loads_started: int = 0
     blocks_loaded: int = 0
     blocks_recomputed: int = 0
+    # Handoffs: prompt blocks the decode already held (its prefix cache), which no load
+    # moved (docs/design.md §3 "Delta handoffs").
+    blocks_local: int = 0
     load_fallbacks: Counter[str] = field(default_factory=Counter)
     saves_started: int = 0
     save_failures: int = 0
@@ -46,6 +49,7 @@ class LoadOutcome:
     blocks_recomputed: int
     error: str | None = None
     aborted: bool = False
+    bytes_loaded: int = 0
 
 
 @dataclass(slots=True)
@@ -138,6 +142,9 @@ class KVTransferCoordinator:
                 continue
             request.num_computed_tokens = hit_tokens
             request.num_cached_tokens = hit_tokens
+            # The delta: the load moves only the blocks after what this instance holds.
+            request.kv_blocks_local = len(hits)
+            self.stats.blocks_local += len(hits)
             n_remote = -(
                 -min(prompt_len, request.remote_kv.num_tokens if request.remote_kv else 0)
                 // self.block_size
@@ -187,7 +194,9 @@ class KVTransferCoordinator:
         error = (
             None if ok else f"KV load failed ({result.failure_reason or 'missing'}): {result.error}"
         )
-        return LoadOutcome(request, ok, time.monotonic() - t0, loaded, missing, error)
+        outcome = LoadOutcome(request, ok, time.monotonic() - t0, loaded, missing, error)
+        outcome.bytes_loaded = result.bytes_moved
+        return outcome
 
     # -- producer -------------------------------------------------------------------------
     def start_save(self, request: Request) -> None:

@@ -188,20 +188,24 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PhaseTimings(_message.Message):
-    __slots__ = ("queue_s", "compute_s", "kv_save_s", "kv_load_s", "kv_blocks_loaded", "kv_blocks_recomputed")
+    __slots__ = ("queue_s", "compute_s", "kv_save_s", "kv_load_s", "kv_blocks_loaded", "kv_blocks_recomputed", "kv_blocks_local", "kv_bytes_loaded")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     KV_SAVE_S_FIELD_NUMBER: _ClassVar[int]
     KV_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     compute_s: float
     kv_save_s: float
     kv_load_s: float
     kv_blocks_loaded: int
     kv_blocks_recomputed: int
-    def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_save_s: _Optional[float] = ..., kv_load_s: _Optional[float] = ..., kv_blocks_loaded: _Optional[int] = ..., kv_blocks_recomputed: _Optional[int] = ...) -> None: ...
+    kv_blocks_local: int
+    kv_bytes_loaded: int
+    def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_save_s: _Optional[float] = ..., kv_load_s: _Optional[float] = ..., kv_blocks_loaded: _Optional[int] = ..., kv_blocks_recomputed: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ..., kv_bytes_loaded: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

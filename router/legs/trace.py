@@ -58,7 +58,11 @@ class Job:
 
 
 # The per-request transfer figures ``pdserve_timings`` carries as ``kv_<name>``.
-TRANSFER_FIGURES = ("blocks_loaded", "blocks_recomputed", "bytes_saved", "bytes_loaded")
+# ``blocks_on_decode``: prompt blocks the decode held already (its prefix cache), which
+# the handoff did not move (docs/design.md §3 "Delta handoffs").
+TRANSFER_FIGURES = (
+    "blocks_loaded", "blocks_on_decode", "blocks_recomputed", "bytes_saved", "bytes_loaded"
+)  # fmt: skip
 
 
 @dataclass(slots=True)

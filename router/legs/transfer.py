@@ -47,9 +47,12 @@ def note_load(
     if timings.kv_blocks_recomputed:
         leg.metrics.kv_load_fallbacks.labels("recompute").inc()
     tokens = min(handle.num_tokens, timings.kv_blocks_loaded * max(handle.block_size, 1))
-    nbytes = tokens * leg.shape.kv_bytes_per_token(handle.dtype)
+    # The decode's own count when it reports one (a re-cut load reads more than it keeps).
+    nbytes = timings.kv_bytes_loaded or tokens * leg.shape.kv_bytes_per_token(handle.dtype)
     leg.metrics.kv_transfer_seconds.labels(connector, "load").observe(max(timings.kv_load_s, 0.0))
     leg.metrics.kv_transfer_blocks.labels(connector, "load").inc(timings.kv_blocks_loaded)
+    # Delta handoffs: the blocks the decode already held were not moved.
+    leg.metrics.kv_transfer_blocks.labels(connector, "on_decode").inc(timings.kv_blocks_local)
     if nbytes:
         leg.metrics.kv_bytes.labels(connector, "load").inc(nbytes)
         leg.estimator.observe_transfer(nbytes, timings.kv_load_s)
@@ -57,6 +60,7 @@ def note_load(
     figures.setdefault("connector", connector)
     figures.update(
         blocks_loaded=timings.kv_blocks_loaded,
+        blocks_on_decode=timings.kv_blocks_local,
         blocks_recomputed=timings.kv_blocks_recomputed,
         bytes_loaded=nbytes,
         load_s=round(timings.kv_load_s, 6),
