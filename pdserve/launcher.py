@@ -41,13 +41,11 @@ from common.memory_budget import (
 from common.settings import forwarded_words
 from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve.gpus import (
-    assign_gpus,
-    check_parallel_sizes,
     gpu_ids,
     gpu_share_flags,
-    gpus_per_engine,
 )
 from pdserve.instances import InstanceTable, ServicePorts
+from pdserve.pool_parallel import assign_gpu_groups, check_pool_sizes, engine_sizes, pool_flags
 from pdserve.procs import (
     Child,
     Interrupted,
@@ -95,7 +93,7 @@ def build_plan(
     threads = args.torch_threads or fair_thread_share(num_engines)
     connector_flags, store = ([], None) if args.mode == "colocated" else store_flags(launcher, args)
     engine_flags = _engine_flags(args, model_dir, threads, launcher.workdir)
-    gpus = assign_gpus(num_engines, gpu_ids(args), gpus_per_engine(args))
+    gpus = assign_gpu_groups(engine_sizes(args), gpu_ids(args))
     ports = free_ports(2 * num_engines)
     # mTLS: one certificate for the services and the router (it must name 127.0.0.1, or
     # --grpc-tls-server-name, and allow both TLS server and client use).
@@ -115,7 +113,8 @@ def build_plan(
             spec = (
                 ["--speculative", args.speculative] if role == "decode" and args.speculative else []
             )
-            argv = launcher.python(role, *listen, *engine_flags, *spec, *share, *connector_flags)
+            pooled = pool_flags(engine_flags, args, role)  # this pool's own TP / PP
+            argv = launcher.python(role, *listen, *pooled, *spec, *share, *connector_flags)
             argv += tls_flags
             probe = grpc_probe(address, tls, args.grpc_tls_server_name)
             child = launcher.add(f"{role}-{i}", argv, probe)
@@ -214,13 +213,13 @@ def run_up(args: argparse.Namespace) -> int:
         _check_memory(args)
         check_tool_flags(args)
         # Misuse of --gpus / --gpu-ids, or too few of them for N, fails before anything starts.
-        assign_gpus(1, gpu_ids(args), gpus_per_engine(args))
+        assign_gpu_groups(engine_sizes(args), gpu_ids(args))
         TlsFiles.load(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_ca)  # so do certs
         _check_port_free(args.host, args.port)
         from common.models import resolve_model
 
         model_dir = resolve_model(args.model)  # a known model is pulled once; Ctrl-C stops it
-        check_parallel_sizes(str(model_dir), args)
+        check_pool_sizes(str(model_dir), args)
     except (LaunchError, ValueError) as exc:
         _print(f"pdserve up failed: {exc}", err=True)
         return 1

@@ -94,6 +94,20 @@ class UpArgs(ArgsModel):
         type=fraction,
         help="fraction of each GPU for the engines on it together (they split it); default 0.9",
     )
+    # Per pool (issue 38): unset, a pool takes --tensor-parallel-size /
+    # --pipeline-parallel-size; the decode re-cuts the prefill's KV when they differ.
+    prefill_tensor_parallel_size: int | None = setting(
+        None, type=positive_int, help="the prefill pool's --tensor-parallel-size"
+    )
+    decode_tensor_parallel_size: int | None = setting(
+        None, type=positive_int, help="the decode pool's --tensor-parallel-size"
+    )
+    prefill_pipeline_parallel_size: int | None = setting(
+        None, type=positive_int, help="the prefill pool's --pipeline-parallel-size"
+    )
+    decode_pipeline_parallel_size: int | None = setting(
+        None, type=positive_int, help="the decode pool's --pipeline-parallel-size"
+    )
     speculative: str | None = setting(None, help=SPECULATIVE_HELP + " (decode instances only)")
     torch_threads: int = setting(0, type=non_negative_int, help="per engine; 0 = cores // engines")
     startup_timeout: float = setting(

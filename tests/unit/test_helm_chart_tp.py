@@ -4,7 +4,7 @@ larger /dev/shm for NCCL, and with p2p one control port per rank; a size of 0 is
 
 from __future__ import annotations
 
-from tests.unit.helm_support import RELEASE, ci, container, find, helm, render, render_text
+from tests.unit.helm_support import RELEASE, ci, container, env_of, find, helm, render, render_text
 
 
 def _pods(objs: list) -> dict:
@@ -47,3 +47,26 @@ def test_bad_sizes_are_refused() -> None:
         assert proc.returncode != 0, bad
         assert bad.split("=")[0].split(".")[1] in proc.stderr, proc.stderr
     assert "PDSERVE_TENSOR_PARALLEL_SIZE" in render_text(ci("default"))
+
+
+def test_each_pool_may_have_its_own_size() -> None:
+    """prefill/decode.tensorParallelSize (issue 38): the pool's pods request its GPUs, get
+    its size by environment (over the shared ConfigMap's) and its ranks' p2p ports."""
+    objs = render(ci("tensor-parallel"), sets=("decode.tensorParallelSize=1",))
+    pods = _pods(objs)
+    prefill = container({"spec": {"template": {"spec": pods["prefill"]}}}, "prefill")
+    decode = container({"spec": {"template": {"spec": pods["decode"]}}}, "decode")
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "PDSERVE_TENSOR_PARALLEL_SIZE" not in env_of(prefill)  # the shared 2
+    assert env_of(decode)["PDSERVE_TENSOR_PARALLEL_SIZE"] == "1"
+    assert "p2p-1" in {p["name"] for p in prefill["ports"]}
+    assert "p2p-1" not in {p["name"] for p in decode["ports"]}
+    wider = render(ci("default"), sets=("prefill.tensorParallelSize=4",))
+    pods = _pods(wider)
+    prefill = container({"spec": {"template": {"spec": pods["prefill"]}}}, "prefill")
+    assert env_of(prefill)["PDSERVE_TENSOR_PARALLEL_SIZE"] == "4"
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    args = ["template", RELEASE, str(ci("default").parents[1])]
+    refused = helm(*args, "--set", "decode.tensorParallelSize=0", check=False)
+    assert refused.returncode != 0 and "tensorParallelSize" in refused.stderr

@@ -11,7 +11,8 @@ import pytest
 from common.grpc_token import ENV as GRPC_TOKEN_ENV
 from kv_store.record_mac import ENV as KV_SECRET_ENV
 from pdserve import launcher
-from pdserve.launcher import assign_gpus, build_plan, gpu_ids
+from pdserve.gpus import assign_gpus, gpu_ids
+from pdserve.launcher import build_plan
 from pdserve.procs import Child, Launcher, LaunchError
 from pdserve.up_args import UpArgs
 

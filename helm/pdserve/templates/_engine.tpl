@@ -25,7 +25,10 @@ workloads differ only in their values block, their role and decode's KV-load pol
 {{- /* Tensor and pipeline parallelism on GPUs: the pod gets one GPU per process, whatever
 the pool's resources say (docs/kubernetes.md): N for a group's pod (one stage), P x N for
 an engine pod running every stage (pipelinePodPerStage false). */}}
-{{- $tp := int $root.Values.engine.tensorParallelSize }}
+{{- /* A pool's own tensorParallelSize wins (the decode re-cuts another pool's KV:
+docs/design.md §3 "KV between unlike grids"); null: engine.tensorParallelSize. */}}
+{{- $ownTp := index $pool "tensorParallelSize" }}
+{{- $tp := int (kindIs "invalid" $ownTp | ternary $root.Values.engine.tensorParallelSize $ownTp) }}
 {{- $gpus := ternary $tp (mul $tp $pp) (ne $group "") }}
 {{- $resources := deepCopy (default (dict) $pool.resources) }}
 {{- if and (gt (int $gpus) 1) (eq $root.Values.engine.device "cuda") }}
@@ -136,6 +139,10 @@ spec:
               value: {{ $tuning.maxNumBatchedTokens | int | quote }}
             - name: PDSERVE_GPU_MEMORY_UTILIZATION
               value: {{ $tuning.gpuMemoryUtilization | quote }}
+            {{- if not (kindIs "invalid" $ownTp) }}
+            - name: PDSERVE_TENSOR_PARALLEL_SIZE  # this pool's own (env wins over the ConfigMap)
+              value: {{ $tp | quote }}
+            {{- end }}
             {{- if eq $role "decode" }}
             - name: PDSERVE_KV_LOAD_FAILURE
               value: {{ $pool.kvLoadFailure | quote }}
