@@ -60,6 +60,9 @@ def plan_reshard(
             f"model_fingerprint {source_fingerprint!r} (prefill) != {mine!r} (this decode "
             f"instance): another model, weights, dtype or block size ({sides})"
         )
+    if "mla" in mine.split("-")[1:]:
+        # One latent per token, not per-head K/V: the head map below does not describe it.
+        raise ValueError(f"an MLA latent cache cannot be re-cut between unlike grids ({sides})")
     if connector not in RESHARD_CONNECTORS:
         raise ValueError(
             f"the {connector!r} connector cannot move KV between unlike grids ({sides}); "
