@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 def _layout_dict(layout: KvLayout) -> dict[str, Any]:
-    return dataclasses.asdict(layout)
+    """The layout as a p2p hello carries it (``P2PConnector.bind_kv_cache``'s rule: the
+    plane count only when it is not K and V), so the source's comparison holds."""
+    out = dataclasses.asdict(layout)
+    if layout.planes == 2:
+        del out["planes"]
+    return out
 
 
 class ReshardPull:
