@@ -4,8 +4,10 @@
 # weights, bf16 KV: 512 MiB) between two engine processes on the one GPU, nixl (UCX CUDA
 # IPC) beside p2p (our CUDA IPC copy). Results: $OUT/nixl_handoff_gpu.{json,md} and the
 # test log; copy the json/md to benchmarks/results/kv/ with the card named.
-#   bash benchmarks/gpu/nixl_handoff_gpu.sh
+#   bash benchmarks/gpu/nixl_handoff_gpu.sh [tests|bench|all]   (default all; one device
+#   call of 600 s holds either stage, both when the machine is warm)
 set -uo pipefail
+stage=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 out=${OUT:-out}
@@ -15,9 +17,12 @@ unzip -q -o "$carry/nixl.zip" -d /tmp/nixl
 export PYTHONPATH=$PWD:/tmp/nixl${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import nixl_cu13; print("nixl", nixl_cu13.__file__)' || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 240 \
+if [ "$stage" != bench ]; then
+timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 240 \
   tests/gpu/test_nixl_gpu.py >"$out/test_nixl_gpu.log" 2>&1
 echo "test_nixl_gpu rc=$? $(tail -1 "$out/test_nixl_gpu.log")"
-timeout 420 python3 -m benchmarks.kv.p2p_handoff_gpu --connectors p2p,nixl \
+fi
+[ "$stage" = tests ] && exit 0
+timeout 540 python3 -m benchmarks.kv.p2p_handoff_gpu --connectors p2p,nixl \
   --prompt-len 4096 --repeats 5 --json "$out/nixl_handoff_gpu.json" --md "$out/nixl_handoff_gpu.md"
 echo "bench rc=$?"

@@ -43,7 +43,9 @@ class Worker:
         cfg = {"seed": 0, "num_blocks": 32, "layout": LAYOUT, "timeout_s": 10.0, **config}
         self.config = cfg
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # The repository first; what the caller had after it (a carried NIXL on the GPU).
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env.update(PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
