@@ -81,6 +81,7 @@ DEFAULT_FAULTS = {
     "redis": ("none", *SIGNAL_FAULTS, "garbage_records", "forged_records", "disconnect"),
     "fs": ("none", *SIGNAL_FAULTS[:4], *POISON_FAULTS, "disconnect"),
     "p2p": ("none", *SIGNAL_FAULTS[:4], "disconnect"),
+    "nixl": ("none", *SIGNAL_FAULTS[:4], "disconnect"),
 }
 WORDS = ["grey", "calm", "stormy", "silver", "dark", "quiet", "wide", "cold"] * 2
 PROMPTS = [
@@ -294,7 +295,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--connector", default="redis", choices=["redis", "fs", "p2p"])
+    ap.add_argument("--connector", default="redis", choices=["redis", "fs", "p2p", "nixl"])
     ap.add_argument("--faults", nargs="+", choices=FAULTS,
                     help="phases in order (default: every one that applies to --connector)")  # fmt: skip
     ap.add_argument("--concurrency", type=int, default=16, help="concurrent streams")
@@ -323,7 +324,7 @@ def main() -> None:
     args.out = args.out or result_path("system", f"chaos_{args.connector}.json")
     if args.connector != "redis" and any(f.endswith("_redis") for f in args.faults):
         ap.error("the redis faults need --connector redis")
-    if args.connector == "p2p" and any(f in POISON_FAULTS for f in args.faults):
+    if args.connector in ("p2p", "nixl") and any(f in POISON_FAULTS for f in args.faults):
         ap.error("record poisoning needs a store: --connector fs or redis")
     if args.connector == "redis" and {"fifo_records", "oversized_records"} & set(args.faults):
         ap.error("fifo_records and oversized_records are fs faults (--connector fs)")
