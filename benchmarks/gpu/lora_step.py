@@ -82,31 +82,51 @@ def write_adapter(path: Path, cfg: dict[str, Any], rank: int, seed: int) -> None
     (path / "adapter_config.json").write_text(json.dumps(config))
 
 
-def decode_step_ms(
+def decode_step_times(
     engine: Any, batch: int, prompt_len: int, steps: int, loras: list[str | None]
-) -> float:
+) -> list[float]:
+    """Wall seconds of ``steps`` pure-decode ``engine.step()`` calls with all ``batch``
+    requests running. The prompts' prefill is spread over several steps (the token
+    budget), during which the first requests already decode: every request gets enough
+    tokens to outlast that stagger, so the batch is whole when the measured steps come."""
     from engine.core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    stagger = min(batch, -(-batch * prompt_len // budget)) + 2
+    params = SamplingParams(max_tokens=steps + stagger, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = [(7 * i + j) % 1000 + 3 for j in range(prompt_len)]
         engine.add_request(
             f"r{time.monotonic_ns()}-{i}", prompt, params, lora_name=loras[i % len(loras)]
         )
-    times = []
+    times: list[float] = []
     while engine.has_unfinished():
-        pure_decode = all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
+        running = engine.scheduler.running
+        # Every prompt computed. (Not ``num_tokens - 1``: under async scheduling, the
+        # default on CUDA, the token in flight already counts as computed.)
+        decoding = (
+            len(running) == batch
+            and not len(engine.scheduler.waiting)
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
         )
-        full = len(engine.scheduler.running) == batch and not len(engine.scheduler.waiting)
         t0 = time.perf_counter()
         engine.step()
-        if pure_decode and full:
+        if decoding and len(times) < steps:
             times.append(time.perf_counter() - t0)
     if engine.config.device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize()
+    if not times:
+        raise RuntimeError(f"no pure-decode step with all {batch} requests running")
+    return times
+
+
+def decode_step_ms(
+    engine: Any, batch: int, prompt_len: int, steps: int, loras: list[str | None]
+) -> float:
+    """Median ms of a pure-decode step at ``batch`` (the first two steps dropped)."""
+    times = decode_step_times(engine, batch, prompt_len, steps, loras)
     return 1000 * statistics.median(times[2:] or times)
 
 
@@ -135,7 +155,7 @@ def main() -> None:
             write_adapter(work / f"lora{i}", cfg, a.rank, i)
             mods.append((f"lora{i}", str(work / f"lora{i}")))
         common = dict(model=str(mdir), load_format="dummy", device=a.device,
-                      max_num_seqs=max(a.batch, 8), max_model_len=a.prompt_len + a.steps + 16)  # fmt: skip
+                      max_num_seqs=max(a.batch, 8), max_model_len=a.prompt_len + a.steps + a.batch + 16)  # fmt: skip
         if a.device == "cpu":
             common["kv_cache_memory"] = 1 << 30
         results: dict[str, float] = {}

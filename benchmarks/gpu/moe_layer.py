@@ -133,14 +133,24 @@ def measure(
     return row
 
 
+# The tile sweep: the full one, and ``--quick`` (8 configs, a fraction of the compiles).
+SWEEP = ((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3,))
+QUICK_SWEEP = ((16, 64), (64, 128), (64, 128), (4,), (3,))
+TINY_SWEEP = ((16,), (16, 32), (32,), (4,), (1,))
+
+
 def tune(
-    name: str, shape: tuple, fp8: bool, tokens: int, device: torch.device, weights: tuple
+    name: str,
+    shape: tuple,
+    fp8: bool,
+    tokens: int,
+    device: torch.device,
+    weights: tuple,
+    sweep: tuple = SWEEP,
 ) -> dict[str, int]:
     """The fastest tile config for this shape and token count, by measurement."""
     best: tuple[float, dict[str, int]] | None = None
-    for bm, bn, bk, warps, stages in itertools.product(
-        (16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3,)
-    ):
+    for bm, bn, bk, warps, stages in itertools.product(*sweep):
         cfg = {
             "BLOCK_M": bm,
             "BLOCK_N": bn,
@@ -151,7 +161,10 @@ def tune(
         if bm > 16 and tokens * shape[3] < bm:
             continue  # a tile taller than all the rows
         try:
-            ms = measure(name, shape, fp8, tokens, device, None, cfg, weights, 8, False)["moe_ms"]
+            iters = 8 if device.type == "cuda" else 1
+            ms = measure(name, shape, fp8, tokens, device, None, cfg, weights, iters, False)[
+                "moe_ms"
+            ]
         except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
             continue
         if best is None or ms < best[0]:
@@ -166,15 +179,27 @@ def main() -> None:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--tune", action="store_true", help="sweep tiles, save the best as data")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="--tune over 8 tile configs only")
+    p.add_argument(
+        "--config-out", type=Path, default=None,
+        help="where --tune writes the table (default engine/models/moe_configs.json)",
+    )  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="CPU dry run (TRITON_INTERPRET=1)")
     args = p.parse_args()
     from engine.models.triton_moe import CONFIG_FILE, shape_key
+
+    # One table for every GPU kind: its keys start with the device name, and a run adds
+    # its GPU's entries to what the file holds.
+    config_out = args.config_out or CONFIG_FILE
+    if args.tiny and args.tune and args.config_out is None:
+        raise SystemExit("--tiny --tune needs --config-out (the engine's table is for GPUs)")
+    sweep = TINY_SWEEP if args.tiny else QUICK_SWEEP if args.quick else SWEEP
 
     device = torch.device("cpu" if args.tiny else "cuda")
     shapes = TINY_SHAPES if args.tiny else {s: SHAPES[s] for s in args.shapes.split(",")}
     tokens = (1, 8) if args.tiny else tuple(int(t) for t in args.tokens.split(","))
     bandwidth = None if args.tiny else copy_bandwidth(device)
-    table = json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
+    table = json.loads(config_out.read_text()) if config_out.exists() else {}
     rows = []
     for name, shape in shapes.items():
         for fp8 in (False, True):
@@ -183,8 +208,8 @@ def main() -> None:
             dtype = weights[0].dtype
             for t in tokens:
                 cfg = None
-                if args.tune and not args.tiny:
-                    cfg = tune(name, shape, fp8, t, device, weights)
+                if args.tune:
+                    cfg = tune(name, shape, fp8, t, device, weights, sweep)
                     key = shape_key(shape[2], 2 * shape[1], shape[0], dtype, gpu)
                     table.setdefault(key, {})[str(t * shape[3])] = cfg
                 row = measure(name, shape, fp8, t, device, bandwidth, cfg, weights)
@@ -196,9 +221,9 @@ def main() -> None:
             del weights
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if args.tune and not args.tiny:
-        CONFIG_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        print(f"tuned tiles written to {CONFIG_FILE}")
+    if args.tune:
+        config_out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"tuned tiles written to {config_out}")
 
 
 if __name__ == "__main__":

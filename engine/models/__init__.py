@@ -1,11 +1,9 @@
-"""Model registry and weight loading (single or sharded safetensors, or dummy weights)."""
+"""Model registry and building (weights from single or sharded safetensors, or dummy
+weights, loaded layer by layer: engine/models/loading.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-from collections.abc import Iterator
 
 import torch
 
@@ -14,17 +12,11 @@ from engine.distributed.tp_group import TPGroup
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES
-from engine.models.fp8 import (
-    Fp8Linear,
-    cast_unquantized,
-    empty_fp8_projections,
-    fp8_checkpoint_tensors,
-    quantize_projections,
-)
+from engine.models.fp8 import empty_fp8_projections, fp8_checkpoint_tensors
 from engine.models.fp8_loader import Fp8Scheme
 from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import MoEBlock
+from engine.models.loading import LayerwiseLoader, iter_safetensors
 from engine.models.stages import Stage
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelArgs", "build_model", "get_layer_ops"]
@@ -80,60 +72,26 @@ def build_model(
     ``deterministic``: batch-invariant ops (``get_layer_ops``)."""
     cls = _REGISTRY[args.architecture]
     ops = get_layer_ops(device, fused_ops, deterministic)
-    with torch.device(device):
+    # On the meta device, then filled layer by layer: the load peak is the served model
+    # plus one layer (engine/models/loading.py).
+    with torch.device("meta"):
         model = cls(args, backend, max_positions, ops, tp, stage)
+    from_checkpoint = quantization is not None and quantization.from_checkpoint
+    if from_checkpoint:
+        empty_fp8_projections(model, ops)
+    quantize_ops = ops if quantization is not None and not from_checkpoint else None
+    loader = LayerwiseLoader(model, device, dtype, quantize_ops)
     if load_format == "dummy":
         # Each rank draws its own shard's values (random either way: shapes set the speed).
         # (and each pipeline stage its own layers'.)
         rank = (tp.rank if tp is not None else 0) + 1000 * (stage.index if stage else 0)
-        _init_dummy(model, seed + rank)
-    elif quantization is not None and quantization.from_checkpoint:
-        empty_fp8_projections(model, ops)
-        model.load_weights(fp8_checkpoint_tensors(_iter_safetensors(model_dir), args))
+        loader.dummy(seed + rank)
     else:
-        model.load_weights(_iter_safetensors(model_dir))
-    if quantization is None:
-        model.to(dtype=dtype)
-    else:
-        if not any(isinstance(m, Fp8Linear) for m in model.modules()):
-            quantize_projections(model, ops)  # from the checkpoint's own precision
-            for module in model.modules():
-                if isinstance(module, MoEBlock):
-                    module.quantize()
-        cast_unquantized(model, dtype)
-    # Rope tables stay float32 for accuracy; they are cast per use.
-    for rope in (model.rope, model.rope_local):
-        rope.cos = rope.cos.float()
-        rope.sin = rope.sin.float()
+        weights = iter_safetensors(model_dir)
+        if from_checkpoint:
+            weights = fp8_checkpoint_tensors(weights, args)
+        if type(model).load_weights is LlamaForCausalLM.load_weights:
+            loader.load(weights)
+        else:  # its own checkpoint loader (DeepSeek): every layer allocated first
+            loader.load_whole(weights, model.load_weights)
     return model.eval()
-
-
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Small random weights (shape is what sets speed in benchmarks), norms at one."""
-    gens: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-                continue
-            gen = gens.get(param.device)
-            if gen is None:
-                gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, 0.02, generator=gen)
-
-
-def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights found in {model_dir!r}")
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield key, f.get_tensor(key)

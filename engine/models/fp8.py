@@ -218,18 +218,32 @@ def _reference_mm_quantized(
 def _projection_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
     """(parent module, attribute) of every decoder projection of a LlamaForCausalLM."""
     for layer in model.layers:  # type: ignore[union-attr]
-        for part, attr in _PROJECTIONS:
-            parent = getattr(layer, part)
-            if hasattr(parent, attr):  # an MoE layer's mlp has experts instead
-                yield parent, attr
+        yield from _layer_slots(layer)
+
+
+def _layer_slots(layer: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    for part, attr in _PROJECTIONS:
+        parent = getattr(layer, part)
+        if hasattr(parent, attr):  # an MoE layer's mlp has experts instead
+            yield parent, attr
 
 
 def quantize_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
     """Replace every decoder projection's ``nn.Linear`` by its per-channel FP8 quantization
     (``quantization="fp8"`` on an unquantized checkpoint); frees the originals."""
-    for parent, attr in _projection_slots(model):
+    for layer in model.layers:  # type: ignore[union-attr]
+        quantize_layer(layer, ops)
+
+
+def quantize_layer(layer: nn.Module, ops: LayerOps = TorchOps) -> None:
+    """One decoder layer's projections, and its experts (``MoEBlock.quantize``), to FP8:
+    the layer-by-layer load (engine/models/loading.py) calls it as each layer is loaded."""
+    for parent, attr in _layer_slots(layer):
         linear = getattr(parent, attr)
         setattr(parent, attr, Fp8Linear.quantized(linear, ops))
+    quantize_experts = getattr(getattr(layer, "mlp", None), "quantize", None)
+    if quantize_experts is not None:
+        quantize_experts()
 
 
 def empty_fp8_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:

@@ -86,14 +86,18 @@ class MoEBlock(nn.Module):
         self.register_buffer("w2_scale", None, persistent=False)
 
     def quantize(self) -> None:
-        """Per output channel e4m3 of every expert (``quantization="fp8"``, docs/quantization.md)."""
-        from engine.models.fp8 import quantize_rows
+        """Per output channel e4m3 of every expert (``quantization="fp8"``, docs/quantization.md),
+        one expert at a time (the float32 temporaries stay one expert's size)."""
+        from engine.models.fp8 import FP8, quantize_rows
 
         for name in ("w13", "w2"):
             w = getattr(self, name)
-            q, scale = quantize_rows(w.data.reshape(-1, w.shape[-1]))
-            setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
-            self.register_buffer(f"{name}_scale", scale.view(w.shape[0], -1), persistent=False)
+            q = torch.empty(w.shape, dtype=FP8, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], scale[e] = quantize_rows(w.data[e])
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(f"{name}_scale", scale, persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` of the tokens ``x`` (DeepSeek's grouped

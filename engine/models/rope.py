@@ -131,11 +131,19 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
+        self._spec = (head_dim, max_positions, theta, scaling)
         cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """The float32 tables computed again on ``device`` (a model built on the meta
+        device, engine/models/loading.py, has none until then)."""
+        with torch.device(device):
+            cos, sin = rope_tables(*self._spec)
+        self.cos, self.sin = cos.float(), sin.float()
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -60,24 +60,23 @@ def hf_names(
 
 
 def load_checkpoint(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy the checkpoint into ``model``'s parameters; ``ValueError`` for an unexpected
-    tensor or a parameter left unset."""
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    a, sh = model.args, model.shard
-    q_size, kv_size = sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim
-    inter = sh.intermediate_size
-    shards = {
-        "q_proj": ("qkv_proj", 0, q_size),
-        "k_proj": ("qkv_proj", q_size, kv_size),
-        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-        "gate_proj": ("gate_up_proj", 0, inter),
-        "up_proj": ("gate_up_proj", inter, inter),
-    }
-    gemma = a.architecture in GEMMA_ARCHITECTURES
-    for vocab_module in (model.embed_tokens, model.lm_head):
-        if vocab_module is not None:  # a pipeline stage may hold neither
-            vocab_module.weight.data.zero_()  # the vocab slice's padding rows stay zero
+    """Copy the checkpoint into ``model``'s (already materialized) parameters;
+    ``ValueError`` for an unexpected tensor or a parameter left unset. The layer-by-layer
+    load of ``engine/models/loading.py`` drives ``CheckpointCopier`` itself."""
+    copier = CheckpointCopier(model)
+    copier.refresh(model.named_parameters())
+    copier.zero_vocab_padding()
+    for hf_name, name, tensor in checkpoint_entries(model, weights):
+        copier.copy(hf_name, name, tensor)
+    copier.check(list(copier.params))
+
+
+def checkpoint_entries(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(hf name, this module's parameter-space name, tensor)`` of every checkpoint
+    tensor this model (or pipeline stage) keeps, in the order given."""
+    a = model.args
     for hf_name, full in hf_names(model, weights):
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name:
@@ -87,33 +86,72 @@ def load_checkpoint(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.
         # A pipeline stage keeps its own layers (renumbered from 0), and the embedding,
         # norm and head only where it holds them (engine/models/stages.py).
         local = model.stage.local_name(name, a.tie_word_embeddings)
-        if local is None:
-            continue
-        name = local
+        if local is not None:
+            yield hf_name, local, full
+
+
+class CheckpointCopier:
+    """Copies named checkpoint tensors into the merged layout and records which parts of
+    which parameter were set. ``params`` is refreshed as parts of the model are
+    materialized (the layer-by-layer load replaces meta parameters by real ones)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.params: dict[str, nn.Parameter] = {}
+        self.loaded: set[str] = set()
+        a, sh = model.args, model.shard
+        q_size, kv_size = sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim
+        inter = sh.intermediate_size
+        self.shards = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+        self.gemma = a.architecture in GEMMA_ARCHITECTURES
+
+    def refresh(self, named: Iterable[tuple[str, nn.Parameter]], prefix: str = "") -> None:
+        self.params.update((prefix + n, p) for n, p in named)
+
+    def drop(self, prefix: str) -> None:
+        """Forget the parameters under ``prefix`` (a finished layer: quantizing it frees
+        its float32 tensors only once nothing here holds them)."""
+        self.params = {n: p for n, p in self.params.items() if not n.startswith(prefix)}
+
+    def zero_vocab_padding(self) -> None:
+        for vocab_module in (self.model.embed_tokens, self.model.lm_head):
+            if vocab_module is not None:  # a pipeline stage may hold neither
+                vocab_module.weight.data.zero_()  # the vocab slice's padding rows stay zero
+
+    def copy(self, hf_name: str, name: str, full: torch.Tensor) -> None:
+        params, loaded = self.params, self.loaded
         expert = _EXPERT.match(name)
         if expert is not None:
-            _load_expert(model, params, expert, full, loaded)
-            continue
-        tensor = sh.slice_checkpoint(name, full)
-        if gemma and name.endswith("norm.weight"):
+            _load_expert(self.model, params, expert, full, loaded)
+            return
+        tensor = self.model.shard.slice_checkpoint(name, full)
+        if self.gemma and name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0
-        for shard, (merged, offset, size) in shards.items():
+        for shard, (merged, offset, size) in self.shards.items():
             if f".{shard}." in name:
                 name = name.replace(shard, merged)
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 params[name].data[offset : offset + size].copy_(tensor)
                 loaded.add(f"{name}#{shard}")
-                break
-        else:
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-            dest: torch.Tensor = params[name].data
-            if name in ("embed_tokens.weight", "lm_head.weight"):
-                dest = dest[: tensor.shape[0]]  # the last vocab slice may be short
-            dest.copy_(tensor)
-            loaded.add(name)
-    _check_complete(model, params, loaded)
+                return
+        if name not in params:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        dest: torch.Tensor = params[name].data
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            dest = dest[: tensor.shape[0]]  # the last vocab slice may be short
+        dest.copy_(tensor)
+        loaded.add(name)
+
+    def check(self, names: Iterable[str]) -> None:
+        """``ValueError`` naming the parameters among ``names`` the checkpoint left unset."""
+        _check_complete(self.model, names, self.loaded)
 
 
 def _load_expert(
@@ -140,9 +178,7 @@ def _load_expert(
     loaded.add(f"{prefix}.w13#{expert}.{proj}")
 
 
-def _check_complete(
-    model: LlamaForCausalLM, params: dict[str, nn.Parameter], loaded: set[str]
-) -> None:
+def _check_complete(model: LlamaForCausalLM, params: Iterable[str], loaded: set[str]) -> None:
     missing = []
     experts = range(model.args.num_experts)
     for name in params:
