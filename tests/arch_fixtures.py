@@ -1,5 +1,5 @@
 """Tiny random models of the non-Llama architectures (Phi-3, Gemma 2/3, Mixtral,
-Qwen3-MoE, DeepSeek-V2/V3) and a windowed Mistral, saved with transformers in float32 with SmolLM2's
+Qwen3-MoE, DeepSeek-V2/V3, gpt-oss) and a windowed Mistral, saved with transformers in float32 with SmolLM2's
 tokenizer (``tests/model_fixtures.save_tiny_model``). Windows are 16 tokens, so every
 test prompt longer than that attends through a real sliding window; soft-caps are small
 enough that tanh is far from linear on these weights."""
@@ -21,9 +21,13 @@ ARCHS = (
     "mistral_window",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
 )
 # DeepSeek's YaRN original context: the longer test prompts pass it.
 DEEPSEEK_ORIGINAL_MAX = 64
+# gpt-oss's SwiGLU clamp, low enough that these tiny random activations cross it (7 in
+# the released models) so the clamp is exercised; YaRN over a short original context.
+GPT_OSS_LIMIT = 0.5
 # Phi-3's longrope switches to the long factors at this position (tests cross it).
 PHI3_ORIGINAL_MAX = 128
 
@@ -79,6 +83,18 @@ def _spec(arch: str) -> tuple[Any, Any, dict[str, Any]]:
         return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, extra
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek(arch)
+    if arch == "gpt_oss":
+        rope = {
+            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+        }  # fmt: skip
+        extra = {
+            "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+            "sliding_window": WINDOW, "rope_parameters": rope, "swiglu_limit": GPT_OSS_LIMIT,
+            "num_hidden_layers": 3,  # sliding, full, sliding
+            "initializer_range": 0.1,  # signals above the biases (random tokens, not one)
+        }  # fmt: skip
+        return tf.GptOssConfig, tf.GptOssForCausalLM, extra
     if arch == "mistral_window":
         return tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": WINDOW}
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHS}")

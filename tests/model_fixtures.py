@@ -104,6 +104,8 @@ def _perturb_trivial_params(model: Any, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
             elif "norm" in name:
                 param.copy_(1.0 + torch.randn(param.shape, generator=gen) * 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss: a real share of each softmax
+                param.copy_(torch.randn(param.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)

@@ -34,6 +34,7 @@ from benchmarks.record import CONFIGS
 MODELS = (
     ("qwen3-30b-a3b", ""),
     ("mixtral-8x7b", "fp8"),
+    ("gpt-oss-20b", ""),
     ("mixtral-8x7b", ""),
 )
 # What a model needs beyond its weights: a KV pool worth benchmarking, activations, the

@@ -66,12 +66,15 @@ class AttentionBackend(abc.ABC):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``key``/``value`` into ``kv_cache`` and return ``[num_tokens, num_heads, head_dim]``.
 
         ``window`` > 0: sliding-window attention, a query at position p sees the keys at
         (p - window, p] only. ``softcap`` > 0: scores become ``softcap * tanh(s / softcap)``
-        before the softmax (Gemma 2). docs/design.md §3 "Sliding windows"."""
+        before the softmax (Gemma 2). ``sinks`` ``[num_heads]`` (gpt-oss): one more logit
+        per head in the softmax's denominator, a key with no value (the weights of the real
+        keys sum to less than one). docs/design.md §3 "Sliding windows", "Attention sinks"."""
 
     def forward_prewritten(
         self,
@@ -82,6 +85,7 @@ class AttentionBackend(abc.ABC):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward`` for a cache that already holds this step's K/V at ``slot_mapping``."""
         raise NotImplementedError(f"attention backend {self.name!r} writes its own KV")

@@ -212,11 +212,20 @@ class FlashAttention(AttentionBackend):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Windowed and soft-capped layers always run on Triton (FA4 is called without them).
-        if window or softcap or not self.use_fa4(query, kv_cache, meta):
+        if window or softcap or sinks is not None or not self.use_fa4(query, kv_cache, meta):
             return self.triton.forward(
-                query, key, value, kv_cache, meta, scale, window=window, softcap=softcap
+                query,
+                key,
+                value,
+                kv_cache,
+                meta,
+                scale,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
             )
         validate_inputs(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
@@ -231,10 +240,11 @@ class FlashAttention(AttentionBackend):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if window or softcap or not self.use_fa4(query, kv_cache, meta):
+        if window or softcap or sinks is not None or not self.use_fa4(query, kv_cache, meta):
             return self.triton.forward_prewritten(
-                query, kv_cache, meta, scale, window=window, softcap=softcap
+                query, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks
             )
         validate_prewritten(query, kv_cache)
         return flash_attn_paged(query, kv_cache, meta, scale)

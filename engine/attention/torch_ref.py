@@ -89,17 +89,19 @@ class TorchRefAttention(AttentionBackend):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping, self.k_scale, self.v_scale)
-        opts = _Opts(window, softcap)
+        opts = _Opts(window, softcap, sinks)
         starts = meta.query_start_loc_cpu
         decode_reqs: list[int] = []
         prefill_reqs: list[int] = []
         for i in range(meta.num_reqs):
             one_row = starts[i + 1] - starts[i] == 1 and not self.batch_invariant
             (decode_reqs if one_row else prefill_reqs).append(i)
-        # The C kernel attends over whole contexts: windowed / capped layers take torch.
-        plain = not (window or softcap)
+        # The C kernel attends over whole contexts with a plain softmax: windowed, capped
+        # and sink layers take torch.
+        plain = not (window or softcap or sinks is not None)
         kernel = self._kernel(query, kv_cache, meta) if decode_reqs and plain else None
         if not prefill_reqs:
             if kernel is not None:
@@ -187,16 +189,23 @@ class TorchRefAttention(AttentionBackend):
         opts = opts or _Opts()
         if opts.window:
             mask &= positions[None, :] > ends - 1 - opts.window
-        o = _attend(q, k, v, mask[:, None, None, :], scale, opts.softcap)
+        sinks = None if opts.sinks is None else opts.sinks.view(1, kv_heads, groups, 1)
+        o = _attend(q, k, v, mask[:, None, None, :], scale, opts.softcap, sinks)
         return o.reshape(batch, kv_heads * groups, dim)
 
 
 @dataclass(frozen=True, slots=True)
 class _Opts:
-    """A layer's sliding window (0 = none) and score soft-cap (0 = none)."""
+    """A layer's sliding window (0 = none), score soft-cap (0 = none) and per-head
+    attention sinks (None = none)."""
 
     window: int = 0
     softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        return not (self.window or self.softcap or self.sinks is not None)
 
 
 def _attend(
@@ -206,15 +215,24 @@ def _attend(
     mask: torch.Tensor,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[..., L, D]`` tensors with a boolean ``mask``; with a soft-cap the
-    scores are capped before the softmax (float32 softmax, as transformers' eager path)."""
-    if not softcap:
+    scores are capped before the softmax (float32 softmax, as transformers' eager path).
+    ``sinks`` (broadcast to ``[..., Lq, 1]``): one more logit per row in the softmax,
+    dropped after it (gpt-oss; transformers' eager path concatenates it the same way)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1, dtype=torch.float32)
+        p = p[..., :-1].to(q.dtype)
     return torch.matmul(p, v)
 
 
@@ -235,7 +253,7 @@ def _sdpa(
     kt = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
     vt = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
-    if opts is not None and (opts.window or opts.softcap):
+    if opts is not None and not opts.plain:
         qpos = torch.arange(lq, device=q.device)[:, None] + causal_offset
         kpos = torch.arange(lk, device=q.device)[None, :]
         mask = kpos <= qpos
@@ -244,7 +262,9 @@ def _sdpa(
         if gqa:
             rep = q.shape[1] // k.shape[1]
             kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-        return _attend(qt, kt, vt, mask, scale, opts.softcap).squeeze(0).transpose(0, 1)
+        sinks = None if opts.sinks is None else opts.sinks.view(1, -1, 1, 1)
+        o = _attend(qt, kt, vt, mask, scale, opts.softcap, sinks)
+        return o.squeeze(0).transpose(0, 1)
     if causal_offset == 0 and lq == lk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:

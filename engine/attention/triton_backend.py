@@ -179,11 +179,12 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     f16_kv: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[tokens, heads, head_dim]`` over the paged context
-    (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``); ``window``
-    and ``softcap`` as in ``AttentionBackend.forward``. ``f16_kv``: an fp8 cache under a
-    bf16 query is converted to fp16 tiles (packed converts; triton_kernels.py)."""
+    (an fp8 cache is read back as ``value * k_scale`` / ``value * v_scale``); ``window``,
+    ``softcap`` and ``sinks`` as in ``AttentionBackend.forward``. ``f16_kv``: an fp8 cache
+    under a bf16 query is converted to fp16 tiles (packed converts; triton_kernels.py)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -221,6 +222,8 @@ def paged_attention(
         part_out = part_lse = out  # unused by the kernel
     bt = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
     kv_fp8 = is_fp8(kv_cache.dtype)
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != query.device):
+        raise ValueError(f"sinks must be [{num_heads}] on {query.device}, got {sinks.shape}")
     _paged_attn_kernel[(grid0, num_kv_heads, cfg.num_splits)](
         query,
         kv_cache[0],
@@ -231,6 +234,7 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         bt,
+        sinks if sinks is not None else out,
         scale * k_scale * _LOG2E if kv_fp8 else scale * _LOG2E,
         v_scale,
         window,
@@ -259,6 +263,7 @@ def paged_attention(
         HAS_WINDOW=window > 0,
         HAS_SOFTCAP=softcap > 0,
         F16_KV=f16_kv and kv_fp8 and query.dtype == torch.bfloat16,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -376,6 +381,7 @@ class TritonAttention(AttentionBackend):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         validate_inputs(query, key, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
@@ -383,6 +389,7 @@ class TritonAttention(AttentionBackend):
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
             config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
             f16_kv=self.f16_kv,
+            sinks=sinks,
         )  # fmt: skip
 
     def forward_prewritten(
@@ -394,10 +401,12 @@ class TritonAttention(AttentionBackend):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         validate_prewritten(query, kv_cache)
         return paged_attention(
             query, kv_cache, meta, scale, num_sms=self._sms(query.device),
             config=self._config(query, kv_cache), k_scale=self.k_scale, v_scale=self.v_scale, window=window, softcap=softcap,
             f16_kv=self.f16_kv,
+            sinks=sinks,
         )  # fmt: skip

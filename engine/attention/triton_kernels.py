@@ -186,6 +186,7 @@ def _paged_attn_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    sinks_ptr,  # HAS_SINKS only: [num_heads] logits (natural base)
     scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
     v_scale,  # KV_FP8 only: the V cache's scale, applied to the normalised output
     window,  # HAS_WINDOW only: the sliding window in tokens
@@ -213,6 +214,7 @@ def _paged_attn_kernel(
     HAS_WINDOW: tl.constexpr,  # sliding-window layer: keys before the window are skipped
     HAS_SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
     F16_KV: tl.constexpr,  # KV_FP8 with a bf16 query: dots in fp16, q pre-scaled (docstring)
+    HAS_SINKS: tl.constexpr,  # one more logit per head in the softmax (gpt-oss)
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -262,6 +264,14 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    # HAS_SINKS: the sink is a key with logit ``sink`` and a zero value, so the running
+    # max starts at it with weight exp2(0) = 1. Only split 0 counts it (the merge adds
+    # the splits up).
+    if HAS_SINKS:  # noqa: SIM102 - a constexpr branch around a runtime one
+        if split == 0:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_i = sink * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     # Keys up to the tile's first query position are visible to every row: no mask needed.

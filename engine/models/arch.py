@@ -10,7 +10,7 @@ from typing import Any
 from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES, deepseek_fields
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -78,7 +78,22 @@ def arch_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, An
         fields |= _moe_fields(arch, cfg, num_layers)
     if arch in DEEPSEEK_ARCHITECTURES:
         fields |= deepseek_fields(arch, cfg, num_layers, rope)
+    if arch == "GptOssForCausalLM":
+        fields |= _gpt_oss_fields(cfg)
     return fields
+
+
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss beyond the MoE sizes (engine/models/gpt_oss.py): sinks, biases, the
+    clamped SwiGLU of its experts."""
+    return {
+        "attn_sinks": True,
+        "o_proj_bias": bool(cfg.get("attention_bias", True)),
+        "router_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": float(cfg.get("swiglu_limit") or 7.0),
+        "swiglu_alpha": float(cfg.get("swiglu_alpha") or 1.702),
+    }
 
 
 def _rope_kind(rope: dict[str, Any]) -> str:
@@ -154,7 +169,8 @@ def _moe_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, An
         raise ValueError(
             f"MoE config needs 1 <= num_experts_per_tok ({top_k}) <= experts ({experts})"
         )
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        # gpt-oss: softmax over the top-k logits, which is the renormalised top-k.
         return {
             "num_experts": experts,
             "num_experts_per_tok": top_k,

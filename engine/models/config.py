@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     *DEEPSEEK_ARCHITECTURES,
+    "GptOssForCausalLM",
 )
 
 
@@ -81,6 +82,15 @@ class ModelArgs:
     # rope part's), and the MoE's grouped routing with shared experts.
     mla: MLAArgs | None = None
     routing: GroupedRouting | None = None
+    # gpt-oss (engine/models/gpt_oss.py): a learned sink logit per attention head, o_proj
+    # with a bias, a router with a bias, experts with biases and the clamped SwiGLU
+    # (``swiglu_limit`` > 0; 0 = plain SiLU·mul).
+    attn_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:

@@ -48,6 +48,13 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {requested!r}")
     qcfg = hf_config.get("quantization_config")
+    if isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4":
+        archs = hf_config.get("architectures") or []
+        if archs != ["GptOssForCausalLM"]:
+            raise ValueError(f"MXFP4 checkpoints are supported for gpt-oss only, not {archs}")
+        # Its experts are dequantized at load (engine/models/gpt_oss.py): unquantized
+        # from here on, or FP8 when asked.
+        qcfg = None
     if not qcfg:
         return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
     return _parse_compressed_tensors(qcfg)

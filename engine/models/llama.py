@@ -1,8 +1,8 @@
 """The decoder over the paged KV cache for every supported architecture: the Llama family
 (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3), Phi-3 (Llama with fused checkpoint
 tensors and longrope), Gemma 2/3 (windowed and global layers, soft-caps, sandwich norms,
-GeGLU; ``ModelArgs`` flags) and the MoE models (Mixtral, Qwen3-MoE: ``engine/models/moe.py``
-replaces the MLP).
+GeGLU; ``ModelArgs`` flags) and the MoE models (Mixtral, Qwen3-MoE, gpt-oss with its
+attention sinks and biases: ``engine/models/moe.py`` replaces the MLP).
 
 Projections are merged (q|k|v and gate|up) for fewer, larger matmuls. Under tensor
 parallelism (``Shard``, engine/models/parallel.py) each merged projection holds this rank's
@@ -101,7 +101,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
+        # gpt-oss: one sink logit per (this rank's) query head (AttentionBackend.forward).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if args.attn_sinks else None
         ops = rope.ops
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, ops) if args.qk_norm else None
@@ -137,13 +139,15 @@ class Attention(nn.Module):
                 positions, q, k, v, self.rope.cos, self.rope.sin, kv_cache, meta.slot_mapping
             )
             out = self.backend.forward_prewritten(
-                q, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
-            )
+                q, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap,
+                sinks=self.sinks,
+            )  # fmt: skip
         else:
             q, k = self.rope(positions, q, k)
             out = self.backend.forward(
-                q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
-            )
+                q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap,
+                sinks=self.sinks,
+            )  # fmt: skip
         attn = out.reshape(-1, self.q_size)
         out = _project(self.rope.ops, self.o_proj, attn)
         if self.lora is not None:

@@ -17,6 +17,9 @@ expert, the tokens routed to it gathered, its two GEMMs, the weighted result add
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -36,6 +39,15 @@ def route(
     return weights.to(dtype), experts
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of ``gate_up = [gate | up]``: the experts' activation unless a model says."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
 def experts_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -44,12 +56,15 @@ def experts_reference(
     experts: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: Activation = silu_mul,
 ) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` with SwiGLU experts, one
-    expert at a time in expert order (transformers' order of additions). FP8 experts
-    (``*_scale`` given) are dequantized one expert at a time."""
+    """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` with SwiGLU experts (or
+    ``act``; biases after each projection when given, gpt-oss), one expert at a time in
+    expert order (transformers' order of additions). FP8 experts (``*_scale`` given) are
+    dequantized one expert at a time."""
     out = torch.zeros_like(x)
-    inter = w2.shape[-1]
     hit = torch.unique(experts).tolist()
     for e in hit:
         tok, slot = torch.where(experts == e)
@@ -58,9 +73,10 @@ def experts_reference(
         if w13_scale is not None and w2_scale is not None:
             up_w = (up_w.float() * w13_scale[e, :, None]).to(x.dtype)
             down_w = (down_w.float() * w2_scale[e, :, None]).to(x.dtype)
-        gate_up = torch.nn.functional.linear(h, up_w)
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = torch.nn.functional.linear(act, down_w) * weights[tok, slot, None]
+        gate_up = torch.nn.functional.linear(h, up_w, None if w13_bias is None else w13_bias[e])
+        mid = act(gate_up)
+        y = torch.nn.functional.linear(mid, down_w, None if w2_bias is None else w2_bias[e])
+        y = y * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
@@ -72,9 +88,22 @@ class MoEBlock(nn.Module):
         super().__init__()
         a = shard.args
         inter = shard.moe_intermediate_size
-        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=a.router_bias)
         self.w13 = nn.Parameter(torch.empty(a.num_experts, 2 * inter, a.hidden_size))
         self.w2 = nn.Parameter(torch.empty(a.num_experts, a.hidden_size, inter))
+        # gpt-oss: biases after each expert projection (``w2_bias`` is added by rank 0
+        # only under tensor parallelism: its zero elsewhere, parallel.py) and the clamped
+        # SwiGLU (engine/models/gpt_oss.py).
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if a.expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(a.num_experts, 2 * inter))
+            self.w2_bias = nn.Parameter(torch.empty(a.num_experts, a.hidden_size))
+        self.act: Activation = silu_mul
+        if a.swiglu_limit:
+            from engine.models.gpt_oss import clamped_swiglu
+
+            self.act = partial(clamped_swiglu, alpha=a.swiglu_alpha, limit=a.swiglu_limit)
         self.top_k = a.num_experts_per_tok
         self.renormalize = a.norm_topk_prob
         self.ops = ops
@@ -101,20 +130,23 @@ class MoEBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` of the tokens ``x`` (DeepSeek's grouped
-        router overrides it: engine/models/deepseek_moe.py)."""
-        logits = self.ops.linear(x, self.gate.weight, None)
+        router overrides it: engine/models/deepseek_moe.py; gpt-oss's router has a bias)."""
+        logits = self.ops.linear(x, self.gate.weight, self.gate.bias)
         return route(logits, self.top_k, self.renormalize, x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        b13, b2 = self.w13_bias, self.w2_bias
         if x.is_cuda:
             from engine.models.triton_moe import fused_experts
 
             out = fused_experts(
-                x, self.w13, self.w2, weights, experts, self.w13_scale, self.w2_scale
-            )
+                x, self.w13, self.w2, weights, experts, self.w13_scale, self.w2_scale,
+                w13_bias=b13, w2_bias=b2, act=self.act,
+            )  # fmt: skip
         else:
             out = experts_reference(
-                x, self.w13, self.w2, weights, experts, self.w13_scale, self.w2_scale
-            )
+                x, self.w13, self.w2, weights, experts, self.w13_scale, self.w2_scale,
+                w13_bias=b13, w2_bias=b2, act=self.act,
+            )  # fmt: skip
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

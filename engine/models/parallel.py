@@ -118,6 +118,18 @@ class Shard:
         if ".gate_proj." in name or ".up_proj." in name:
             i = self.intermediate_size
             return _rows(tensor, self.rank * i, i)
+        if name.endswith(".sinks"):
+            return _rows(tensor, self.rank * self.num_heads, self.num_heads)
+        if name.endswith((".o_proj.bias", ".mlp.w2_bias")):
+            # Row-parallel outputs are summed over the ranks: their bias is added once.
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        if name.endswith((".mlp.w13", ".mlp.w13_bias")):  # stacked experts (gpt-oss)
+            i, full = self.moe_intermediate_size, self.args.moe_intermediate_size
+            lo = self.rank * i
+            return torch.cat((tensor[:, lo : lo + i], tensor[:, full + lo : full + lo + i]), dim=1)
+        if name.endswith(".mlp.w2"):
+            i = self.moe_intermediate_size
+            return tensor[..., self.rank * i : (self.rank + 1) * i]
         if name.endswith(".weight_scale"):
             # FP8 per-channel scales (engine/models/fp8.py) follow the output channels:
             # o/down keep all of theirs, a column-parallel projection its rows.

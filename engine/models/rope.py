@@ -132,7 +132,12 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.ops = ops
         self._spec = (head_dim, max_positions, theta, scaling)
-        cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
+        if torch.empty(0).is_meta:
+            # Built on the meta device (engine/models/loading.py): shapes only, ``rebuild``
+            # computes the tables (their math on meta tensors costs seconds of imports).
+            cos = sin = torch.empty(max_positions, head_dim)
+        else:
+            cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,13 @@ CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, b_scale_ptr, weight_ptr, sorted_ptr, block_expert_ptr,
+    a_ptr, b_ptr, c_ptr, b_scale_ptr, bias_ptr, weight_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, N, K,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_bias,
     TOP_K: tl.constexpr,  # rows of ``a`` are tokens (pair // TOP_K); 1: rows are pairs
     MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
     HAS_SCALE: tl.constexpr,  # FP8 weights with per-(expert, channel) scales
+    HAS_BIAS: tl.constexpr,  # a per-(expert, channel) bias, before the routing weight
     UPCAST: tl.constexpr,  # interpreter: float32 dots (its bf16 dot is not exact)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -76,6 +78,9 @@ def _grouped_gemm_kernel(
     if HAS_SCALE:
         s = tl.load(b_scale_ptr + expert.to(tl.int64) * stride_se + n, mask=n_ok, other=0.0)
         acc = acc * s[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias + n, mask=n_ok, other=0.0)
+        acc = acc + bias[None, :].to(tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
         acc = acc * w[:, None].to(tl.float32)
@@ -147,6 +152,7 @@ def _gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     b_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
     out: torch.Tensor,
     weights: torch.Tensor | None,
     sorted_pairs: torch.Tensor,
@@ -158,12 +164,14 @@ def _gemm(
     n, k = b.shape[1], b.shape[2]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
-        a, b, out, b_scale if b_scale is not None else out,
+        a, b, out, b_scale if b_scale is not None else out, bias if bias is not None else out,
         weights if weights is not None else out, sorted_pairs, block_expert,
         num_pairs, n, k,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         b_scale.stride(0) if b_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         TOP_K=top_k, MUL_WEIGHT=weights is not None, HAS_SCALE=b_scale is not None,
+        HAS_BIAS=bias is not None,
         UPCAST=a.device.type == "cpu",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -179,10 +187,14 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """What ``moe.experts_reference`` computes, in two grouped-GEMM launches. ``x``
     ``[T, H]``; ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]`` (model dtype, or e4m3 with
-    ``*_scale`` ``[E, 2I]`` / ``[E, H]``); ``weights``/``experts`` ``[T, k]``."""
+    ``*_scale`` ``[E, 2I]`` / ``[E, H]``); ``weights``/``experts`` ``[T, k]``; optional
+    biases ``[E, 2I]`` / ``[E, H]`` and activation of ``[gate | up]`` (default SiLU·mul)."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts, two_inter = w13.shape[0], w13.shape[1]
@@ -195,10 +207,13 @@ def fused_experts(
         config = get_config(shape_key(num_experts, two_inter, hidden, w13.dtype, name), pairs)
     sorted_pairs, block_expert = align_by_expert(experts, num_experts, config["BLOCK_M"])
     gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, w13_scale, gate_up, None, sorted_pairs, block_expert, top_k, config)
-    inter = two_inter // 2
-    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    _gemm(x, w13, w13_scale, w13_bias, gate_up, None, sorted_pairs, block_expert, top_k, config)
+    if act is None:
+        inter = two_inter // 2
+        mid = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    else:
+        mid = act(gate_up).contiguous()
     down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1).contiguous()
-    _gemm(act, w2, w2_scale, down, flat_w, sorted_pairs, block_expert, 1, config)
+    _gemm(mid, w2, w2_scale, w2_bias, down, flat_w, sorted_pairs, block_expert, 1, config)
     return down.view(tokens, top_k, hidden).sum(dim=1)

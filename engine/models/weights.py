@@ -24,11 +24,15 @@ import torch
 from torch import nn
 
 from engine.models.arch import GEMMA_ARCHITECTURES
+from engine.models.gpt_oss import ARCH as GPT_OSS
+from engine.models.gpt_oss import gpt_oss_tensors
 
 # The model is ``engine.models.llama.LlamaForCausalLM`` (not imported: it imports this).
 LlamaForCausalLM = Any
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Experts that arrive already stacked (gpt-oss, engine/models/gpt_oss.py).
+_STACKED = re.compile(r"^layers\.\d+\.mlp\.(w13|w2)$")
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -38,6 +42,8 @@ def hf_names(
     """The checkpoint's tensors under Llama / Qwen3-MoE names (the module docstring)."""
     a = model.args
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    if a.architecture == GPT_OSS:
+        weights = gpt_oss_tensors(weights)  # stacked experts, MXFP4 dequantized
     for name, t in weights:
         if name.endswith(".qkv_proj.weight") or name.endswith(".qkv_proj.bias"):
             base, _, leaf = name.rpartition(".qkv_proj.")
@@ -129,6 +135,17 @@ class CheckpointCopier:
         expert = _EXPERT.match(name)
         if expert is not None:
             _load_expert(self.model, params, expert, full, loaded)
+            return
+        stacked = _STACKED.match(name)
+        if stacked is not None:
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+            params[name].data.copy_(self.model.shard.slice_checkpoint(name, full))
+            experts = range(self.model.args.num_experts)
+            if stacked.group(1) == "w2":
+                loaded.update(f"{name}#{e}" for e in experts)
+            else:
+                loaded.update(f"{name}#{e}.{p}" for e in experts for p in ("gate_proj", "up_proj"))
             return
         tensor = self.model.shard.slice_checkpoint(name, full)
         if self.gemma and name.endswith("norm.weight"):

@@ -38,9 +38,11 @@ GPU_ARCHS = (
     "phi3",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
 )
 # (hidden, moe inter, experts, top_k): the MoE layer shapes of the two reference models.
 MOE_SHAPES = {"qwen3_30b_a3b": (2048, 768, 128, 8), "mixtral_8x7b": (4096, 14336, 8, 2)}
+GPT_OSS_20B = (2880, 2880, 32, 4)
 
 
 @pytest.fixture(autouse=True)
@@ -129,4 +131,41 @@ def test_fused_moe_matches_torch_path(shape: str, fp8: bool, tokens: int) -> Non
     ref = experts_reference(x, w13, w2, weights, experts, s13, s2)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
     print(f"{shape} fp8={fp8} tokens={tokens}: relative error {err:.2e}")
+    assert err < 2e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_gpt_oss_matches_torch_path(fp8: bool, tokens: int) -> None:
+    """gpt-oss-20b's expert shapes with its biases and clamped SwiGLU (limit 7 crossed:
+    the inputs are scaled so some gate/up values exceed it)."""
+    from functools import partial
+
+    from engine.models.fp8 import quantize_rows
+    from engine.models.gpt_oss import clamped_swiglu
+    from engine.models.moe import experts_reference, route
+    from engine.models.triton_moe import fused_experts
+
+    hidden, inter, n_exp, top_k = GPT_OSS_20B
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    dt = torch.bfloat16
+    x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * 4).to(dt)
+    w13 = (torch.randn(n_exp, 2 * inter, hidden, generator=gen, device="cuda") * 0.05).to(dt)
+    w2 = (torch.randn(n_exp, hidden, inter, generator=gen, device="cuda") * 0.02).to(dt)
+    b13 = torch.randn(n_exp, 2 * inter, generator=gen, device="cuda").to(dt)
+    b2 = torch.randn(n_exp, hidden, generator=gen, device="cuda").to(dt)
+    logits = torch.randn(tokens, n_exp, generator=gen, device="cuda")
+    weights, experts = route(logits, top_k, True, dt)
+    s13 = s2 = None
+    if fp8:
+        q13, s13 = quantize_rows(w13.reshape(-1, hidden))
+        q2, s2 = quantize_rows(w2.reshape(-1, inter))
+        w13, w2 = q13.view(w13.shape), q2.view(w2.shape)
+        s13, s2 = s13.view(n_exp, -1), s2.view(n_exp, -1)
+    act = partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    extra = {"w13_bias": b13, "w2_bias": b2, "act": act}
+    out = fused_experts(x, w13, w2, weights, experts, s13, s2, **extra)  # type: ignore[arg-type]
+    ref = experts_reference(x, w13, w2, weights, experts, s13, s2, **extra)  # type: ignore[arg-type]
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    print(f"gpt-oss-20b fp8={fp8} tokens={tokens}: relative error {err:.2e}")
     assert err < 2e-2

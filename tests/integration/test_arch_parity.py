@@ -1,4 +1,4 @@
-"""Greedy outputs of Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE and a windowed Mistral
+"""Greedy outputs of Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, gpt-oss and a windowed Mistral
 equal transformers' (float32, CPU, eager attention) over prompts longer than the 16-token
 sliding window, under continuous batching with chunked prefill and prefix caching; the
 windows are real (the same engine with the window removed from the config disagrees with
@@ -19,7 +19,7 @@ from tests.integration.test_engine_parity import _run_staggered
 from tests.model_fixtures import argmax_continuations
 
 MAX_NEW = 10
-WINDOWED = ("gemma2", "gemma3", "mistral_window")
+WINDOWED = ("gemma2", "gemma3", "mistral_window", "gpt_oss")
 
 
 def arch_prompts(seed: int) -> list[list[int]]:

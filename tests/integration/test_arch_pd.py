@@ -2,7 +2,8 @@
 longer than the sliding window and hands its KV over (``fs`` through files, ``p2p`` from
 a producer process holding the blocks); the consumer's greedy tokens equal a colocated
 engine's. Gemma 2 (windowed and global layers, soft-caps) and Qwen3-MoE (experts, q/k
-norm) cover both new layouts of work per layer with the Llama KV layout; DeepSeek-V2/V3
+norm) and gpt-oss (sinks, alternating windows, biased experts) cover the new layouts of
+work per layer with the Llama KV layout; DeepSeek-V2/V3
 hand over MLA latents (one plane, one "head" of latent + rope key: their own record kind
 and fingerprint)."""
 
@@ -22,7 +23,7 @@ from tests.integration.test_engine_kv import (
 from tests.integration.test_p2p_engine import Producer, consume
 
 pytestmark = pytest.mark.timeout(400)
-PD_ARCHS = ("gemma2", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+PD_ARCHS = ("gemma2", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
 @pytest.fixture(scope="module")

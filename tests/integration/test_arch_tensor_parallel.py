@@ -1,7 +1,8 @@
 """Tensor parallelism (N = 2, gloo worker processes on the CPU) over the new
 architectures gives transformers' greedy tokens, as N = 1 does: Phi-3's fused tensors
 split before sharding, Gemma's windowed/global layers and soft-caps, and the MoE experts
-sharded Megatron-style (each rank a slice of every expert, one all-reduce)."""
+sharded Megatron-style (each rank a slice of every expert, one all-reduce), and gpt-oss's
+per-head sinks, stacked experts and row-parallel biases (added by rank 0 alone)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.integration.test_arch_parity import arch_prompts, hf_greedy
 from tests.integration.test_engine_parity import _run_staggered
 
 MAX_NEW = 6
-TP_ARCHS = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+TP_ARCHS = ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)

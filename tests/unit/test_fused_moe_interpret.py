@@ -2,8 +2,9 @@
 interpreter (a child process: tests/triton_interpreter.py) against the torch path
 (engine/models/moe.py ``experts_reference``): decode-sized and prefill-sized batches,
 experts that get no token, top-1 and top-k, bf16, and FP8 weights with per-(expert,
-channel) scales against the reference on the dequantized weights. The alignment (sort by
-expert, pad to the M tile) is checked on its own."""
+channel) scales against the reference on the dequantized weights, and gpt-oss's experts
+(biases after both projections, the clamped SwiGLU with a limit the values cross). The
+alignment (sort by expert, pad to the M tile) is checked on its own."""
 
 from __future__ import annotations
 
@@ -14,26 +15,32 @@ import pytest
 from tests.seeds import fixed_seed
 from tests.triton_interpreter import run_interpreted
 
-# id: (tokens, hidden, inter, experts, top_k, dtype, fp8, block_m)
-CASES: dict[str, tuple[int, int, int, int, int, str, bool, int]] = {
-    "decode_t1_e8_k2": (1, 64, 32, 8, 2, "float32", False, 16),
-    "batch_t13_e4_k2": (13, 64, 48, 4, 2, "float32", False, 16),
-    "prefill_t70_e8_k3": (70, 32, 32, 8, 3, "float32", False, 32),
-    "top1_t9_e16": (9, 32, 16, 16, 1, "float32", False, 16),
-    "bf16_t20_e4_k2": (20, 64, 32, 4, 2, "bfloat16", False, 16),
-    "fp8_t11_e4_k2": (11, 64, 32, 4, 2, "float32", True, 16),
+# id: (tokens, hidden, inter, experts, top_k, dtype, fp8, block_m, gpt-oss experts)
+CASES: dict[str, tuple[int, int, int, int, int, str, bool, int, bool]] = {
+    "decode_t1_e8_k2": (1, 64, 32, 8, 2, "float32", False, 16, False),
+    "batch_t13_e4_k2": (13, 64, 48, 4, 2, "float32", False, 16, False),
+    "prefill_t70_e8_k3": (70, 32, 32, 8, 3, "float32", False, 32, False),
+    "top1_t9_e16": (9, 32, 16, 16, 1, "float32", False, 16, False),
+    "bf16_t20_e4_k2": (20, 64, 32, 4, 2, "bfloat16", False, 16, False),
+    "fp8_t11_e4_k2": (11, 64, 32, 4, 2, "float32", True, 16, False),
+    "gptoss_t13_e4_k2": (13, 64, 32, 4, 2, "float32", False, 16, True),
+    "gptoss_fp8_t5_e8_k4": (5, 64, 32, 8, 4, "float32", True, 16, True),
 }
+LIMIT = 0.5  # gpt-oss's clamp, crossed by these random values (theirs is 7)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def _run_case(spec: tuple, seed: int) -> float:  # type: ignore[type-arg]
+    from functools import partial
+
     import torch
 
     from engine.models.fp8 import quantize_rows
+    from engine.models.gpt_oss import clamped_swiglu
     from engine.models.moe import experts_reference, route
     from engine.models.triton_moe import fused_experts
 
-    tokens, hidden, inter, n_exp, top_k, dtype_name, fp8, block_m = spec
+    tokens, hidden, inter, n_exp, top_k, dtype_name, fp8, block_m, oss = spec
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -53,8 +60,16 @@ def _run_case(spec: tuple, seed: int) -> float:  # type: ignore[type-arg]
     else:
         ref_w13, ref_w2 = w13.float(), w2.float()
     cfg = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
-    out = fused_experts(x, w13, w2, weights, experts, *scales, config=cfg)
-    ref = experts_reference(x.float(), ref_w13, ref_w2, weights.float(), experts)
+    extra: dict = {}  # type: ignore[type-arg]
+    if oss:
+        act = partial(clamped_swiglu, alpha=1.702, limit=LIMIT)
+        b13 = torch.randn(n_exp, 2 * inter, generator=gen).to(dtype)
+        b2 = torch.randn(n_exp, hidden, generator=gen).to(dtype)
+        extra = {"w13_bias": b13, "w2_bias": b2, "act": act}
+    out = fused_experts(x, w13, w2, weights, experts, *scales, config=cfg, **extra)
+    if oss:
+        extra = {"w13_bias": b13.float(), "w2_bias": b2.float(), "act": act}
+    ref = experts_reference(x.float(), ref_w13, ref_w2, weights.float(), experts, **extra)
     return float((out.float() - ref).norm() / ref.norm())
 
 

@@ -16,7 +16,7 @@ from engine.models.layer_ops import TorchOps
 from engine.models.moe import MoEBlock
 from engine.models.parallel import Shard
 
-FP8_ARCHS = ("phi3", "gemma2", "mixtral", "qwen3_moe")
+FP8_ARCHS = ("phi3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss")
 
 
 def test_quantized_experts_stay_close() -> None:
@@ -63,7 +63,7 @@ def test_fp8_engine_runs_close_to_float(tmp_path: Path, arch: str) -> None:
         results.append((token, outs[-1].logprobs[0].logprob, engine))
     model = results[1][2].runner.model
     assert any(isinstance(m, Fp8Linear) for m in model.modules())
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen3_moe", "gpt_oss"):
         assert all(
             m.w13.dtype == torch.float8_e4m3fn for m in model.modules() if isinstance(m, MoEBlock)
         )
