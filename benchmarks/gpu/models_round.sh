@@ -40,6 +40,7 @@ step() {  # step NAME SECONDS COMMAND...
 step models_gpu_tests_$gpu 90 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 80 \
   -k "gpt_oss or deepseek" tests/gpu/test_models_gpu.py
 step moe_layer_$gpu 100 python3 -m benchmarks.gpu.moe_layer --tune --quick --tokens 1,64,1024 \
+  --shapes qwen3_30b_a3b,mixtral_8x7b \
   --json "$out/moe_layer_$gpu.json"
 cp engine/models/moe_configs.json "$out/moe_configs.json"
 step moe_models_$gpu 250 python3 -m benchmarks.gpu.moe_models --prompts 16 --new-tokens 128 \

@@ -33,7 +33,11 @@ from typing import Any
 import torch
 
 # (hidden, moe intermediate, experts, top_k)
-SHAPES = {"qwen3_30b_a3b": (2048, 768, 128, 8), "mixtral_8x7b": (4096, 14336, 8, 2)}
+SHAPES = {
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+    "gpt_oss_20b": (2880, 2880, 32, 4),
+}
 TINY_SHAPES = {"tiny": (64, 32, 8, 2)}
 TOKENS = (1, 8, 64, 256, 1024, 4096)
 
