@@ -181,7 +181,8 @@ class LayerwiseLoader:
         """For a model with its own loader (``load_fn``, DeepSeek's): every layer is
         allocated first, then loaded, then quantized layer by layer when asked (the
         peak is the served model in the loading precision)."""
-        for vocab in (getattr(self.model, "embed_tokens", None), self.model.lm_head):
+        for attr in ("embed_tokens", "lm_head"):
+            vocab = getattr(self.model, attr, None)
             if vocab is not None:
                 vocab.weight.data.zero_()  # the vocab slice's padding rows stay zero
         for index in range(len(self.layers)):
