@@ -36,7 +36,7 @@ class BodyLimits:
 
     max_chat_messages: int = 1024  # ``messages`` (chat, /tokenize) and Responses ``input``
     max_batch_prompts: int = 64  # a completions ``prompt`` list of texts
-    max_depth: int = 32  # nesting of JSON objects and arrays
+    max_depth: int = 64  # nesting of JSON objects and arrays (a JSON schema: about 30 levels)
     max_containers: int = 100_000  # JSON objects and arrays in the whole body
     inline_bytes: int = 64 * 1024  # larger bodies are decoded on a worker thread
 
