@@ -1,10 +1,12 @@
 """``build_engine_parts``: the engine's collaborators, built in the order they depend on each
-other, so that ``LLMEngine`` is its step loop and nothing else (docs/design.md §3 "Engine").
+other, so that ``LLMEngine`` is its step loop and nothing else (docs/design.md §3 "The step").
 
 The order is the contract: the executor builds the model and sizes the KV pool; the block
 manager, LoRA slots and the scheduler sit on that pool; the connector's worker side binds the
-pool once it exists; the step pipelines (async scheduling, pipeline stages) come last since
-they drive the scheduler and the executor together.
+pool once it exists; the step's parts come last since they drive the scheduler and the
+executor together: the post-processing (``StepOutputs``), the step runner chosen once here
+(synchronous, async scheduling or batches in flight) and the ordered per-step hooks
+(docs/design.md §3 "The step").
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.async_scheduling import StepPipeline
 from engine.config import EngineConfig
 from engine.core.detokenizer import load_tokenizer
 from engine.core.kv_cache_manager import KVCacheManager
@@ -27,11 +28,15 @@ from engine.kv.host_tier import HostKvTier, build_kv_cache
 from engine.kv.transfers import KVTransferCoordinator, kv_worker
 from engine.lora_serving import LoRAServing
 from engine.models import ModelArgs
-from engine.output_processor import OutputProcessor
-from engine.pp_batches import InflightBatches
 from engine.sampling.guided import GuidedDecoding
 from engine.sampling.sampler import Sampler
 from engine.spec_decode.decoder import SpecDecoder
+from engine.step.async_scheduling import StepPipeline
+from engine.step.hooks import StepHook, step_hooks
+from engine.step.output_processor import OutputProcessor
+from engine.step.outputs import StepOutputs
+from engine.step.pp_batches import InflightBatches
+from engine.step.runners import StepRunner, step_runner
 from kv_store.base import KVConnector
 
 
@@ -60,6 +65,9 @@ class EngineParts:
     outputs: OutputProcessor
     pipeline: StepPipeline | None  # async scheduling
     batches: InflightBatches | None  # pipeline stages: up to P batches in flight
+    post: StepOutputs  # a step's logits into outputs; the ends of requests
+    steps: StepRunner  # how a step is launched and finished (one of three, chosen here)
+    hooks: list[StepHook]  # the per-step extras, in order
 
 
 def build_engine_parts(config: EngineConfig, connector: KVConnector | None) -> EngineParts:
@@ -122,12 +130,15 @@ def _build_on(
     )
     depth = config.inflight_batches
     batches = InflightBatches(scheduler, executor, depth) if depth > 1 else None  # type: ignore[arg-type]
+    outputs = OutputProcessor(tokenizer, guided, max_model_len)
+    post = StepOutputs(scheduler, outputs, sampler, guided, spec, transfers)
     return EngineParts(
         args=args, max_model_len=max_model_len, tokenizer=tokenizer,
         eos_token_ids=eos_token_ids, executor=executor, runner=runner, kv=kv,
         kv_events=kv_events, host_tier=host_tier, lora=lora, scheduler=scheduler,
         sampler=sampler, guided=guided, spec=spec, model_fingerprint=fingerprint,
         kv_layout=layout, transfers=transfers, limits=limits,
-        outputs=OutputProcessor(tokenizer, guided, max_model_len), pipeline=pipeline,
-        batches=batches,
+        outputs=outputs, pipeline=pipeline, batches=batches, post=post,
+        steps=step_runner(scheduler, executor, post, pipeline, batches),
+        hooks=step_hooks(post, outputs, lora),
     )  # fmt: skip

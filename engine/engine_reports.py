@@ -1,5 +1,5 @@
-"""``LLMEngine``'s reports to the services: its load and its statistics snapshot (kept
-apart from the step loop in ``engine/llm_engine.py``)."""
+"""``LLMEngine``'s reports to the services: its load and its statistics snapshot (a
+collaborator the engine holds, kept apart from the step loop in ``engine/llm_engine.py``)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,20 @@ if TYPE_CHECKING:
 
 
 class EngineReports:
-    """Mixed into ``LLMEngine``, whose parts these read."""
+    """Reads the engine's parts; never changes them."""
 
-    scheduler: Scheduler
-    guided: GuidedDecoding
-    transfers: KVTransferCoordinator | None
-    kv: KVCacheManager
-    connector: KVConnector | None
-    spec: SpecDecoder | None
-    host_tier: HostKvTier | None
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        guided: GuidedDecoding,
+        transfers: KVTransferCoordinator | None,
+        kv: KVCacheManager,
+        connector: KVConnector | None,
+        spec: SpecDecoder | None,
+        host_tier: HostKvTier | None,
+    ) -> None:
+        self.scheduler, self.guided, self.transfers, self.kv = scheduler, guided, transfers, kv
+        self.connector, self.spec, self.host_tier = connector, spec, host_tier
 
     def get_load(self) -> LoadStats:
         return LoadStats(

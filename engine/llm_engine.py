@@ -1,7 +1,10 @@
-"""The engine core: ``step()`` = schedule → run the model → sample → post-process.
+"""The engine core: one step = the hooks, then launch and finish a step, then the outputs.
 
 Synchronous and single-threaded; ``AsyncLLMEngine`` drives it from a background thread and
-``LLM`` drives it directly for offline generation.
+``LLM`` drives it directly for offline generation. How a step is launched and finished
+(synchronously, with async scheduling or with batches in flight), the per-step hooks and
+the post-processing are collaborators built once (``engine/engine_parts.py``,
+``engine/step/``; docs/design.md §3 "The step").
 """
 
 from __future__ import annotations
@@ -10,29 +13,22 @@ import gc
 import logging
 import random
 
-import torch
-
-from engine.async_scheduling import can_defer
 from engine.client import GenerateRequest
 from engine.config import EngineConfig
-from engine.core.outputs import RequestOutput, TokenLogprob
+from engine.core.outputs import RequestOutput
 from engine.core.request import RemoteKV, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledRequest
 from engine.engine_parts import build_engine_parts
 from engine.engine_reports import EngineReports
-from engine.kv_serving import KVServing
-from engine.lora.manager import SLOT_TIMEOUT_ERROR
 from engine.lora_serving import bind_lora
-from engine.sampling import prompt_logprobs
-from engine.sampling.prompt_logprobs import wants_prompt_rows
-from engine.sampling.sampler import SampledToken
+from engine.stats import EngineStats, LoadStats
+from engine.step.hooks import route
 from kv_store.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineReports, KVServing):
+class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         self.connector = connector
@@ -48,9 +44,13 @@ class LLMEngine(EngineReports, KVServing):
         self.transfers = parts.transfers
         self.limits, self.outputs = parts.limits, parts.outputs
         self.pipeline, self.batches = parts.pipeline, parts.batches
+        self.post, self.steps, self.hooks = parts.post, parts.steps, parts.hooks
+        self.reports = EngineReports(
+            self.scheduler, self.guided, self.transfers, self.kv, connector, self.spec,
+            self.host_tier,
+        )  # fmt: skip
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []
-        self.num_steps = 0
         # Move everything built so far (weights' wrappers, ~num_blocks block objects) out of
         # the GC's generations, so collections in the step loop stay short.
         gc.collect()
@@ -75,22 +75,22 @@ class LLMEngine(EngineReports, KVServing):
 
     def add(self, new: GenerateRequest) -> None:
         """Queue a request. Raises ValueError (naming the field) for bad input."""
-        request_id, prompt_token_ids, params = new.request_id, new.prompt_token_ids, new.params
-        output_token_ids, remote_kv, save_kv = new.output_token_ids, new.remote_kv, new.save_kv
-        priority = new.priority
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.limits.check(prompt_token_ids, output_token_ids or [], params, remote_kv, save_kv)
+        params, output_token_ids = new.params, list(new.output_token_ids or [])
+        if new.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {new.request_id!r} is already in use")
+        self.limits.check(
+            new.prompt_token_ids, output_token_ids, params, new.remote_kv, new.save_kv
+        )
         request = Request(
-            request_id,
-            list(prompt_token_ids),
+            new.request_id,
+            list(new.prompt_token_ids),
             params,
             self.eos_token_ids,
-            priority,
-            output_token_ids=list(output_token_ids or []),
-            remote_kv=remote_kv,
-            save_kv=save_kv,
-            num_initial_output_tokens=len(output_token_ids or []),
+            new.priority,
+            output_token_ids=output_token_ids,
+            remote_kv=new.remote_kv,
+            save_kv=new.save_kv,
+            num_initial_output_tokens=len(output_token_ids),
             effective_seed=params.seed
             if params.seed is not None
             else self._seed_rng.getrandbits(63),
@@ -102,15 +102,7 @@ class LLMEngine(EngineReports, KVServing):
         if params.guided is not None:
             self.scheduler.register(request)  # routed once its grammar is ready
         else:
-            self._route(request)
-
-    def _route(self, request: Request) -> None:
-        if request.remote_kv is None:
-            self.scheduler.add_request(request)
-        else:
-            assert self.transfers is not None
-            self.scheduler.register(request)
-            self.transfers.add_remote(request)
+            route(self.scheduler, self.transfers, request)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
@@ -122,187 +114,56 @@ class LLMEngine(EngineReports, KVServing):
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         else:
             request.status = RequestStatus.FINISHED_ABORTED
-        self.outputs.release(request_id)
-        self._release_extras(request_id)
-        self._pending.append(self.outputs.output(request, [], "", finished=True))
+        self._pending.append(self.post.ended(request))
         return True
 
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.has_work()
-            or bool(self.transfers and self.transfers.has_work())
             or bool(self._pending)
-            or bool(self.pipeline and self.pipeline.deferred)
-            or bool(self.batches)
-            or self.guided.has_pending()
+            or any(hook.has_work() for hook in self.hooks)
+            or self.steps.in_flight()
         )
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. ``ExecutorFailure`` (the engine is dead for good) when the
-        executor lost a tensor-parallel rank while a step ran: its outputs are dropped,
-        they may come from wrong logits."""
-        outputs = self._step()
+        """One step's outputs: the hooks' (guided admission, KV transfers, LoRA expiry,
+        drafts), then what the step runner finished. ``ExecutorFailure`` (the engine is dead
+        for good) when the executor lost a tensor-parallel rank while a step ran: its
+        outputs are dropped, they may come from wrong logits."""
+        outputs, self._pending = self._pending, []
+        for hook in self.hooks:
+            outputs += hook.before_step()
+        finished = self.steps.step()
+        if finished is None:  # nothing could run
+            self._idle()
+        else:
+            outputs += finished
         self.executor.check()
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
-        if self.guided.has_pending():
-            outputs += self._admit_guided()
-        if self.transfers is not None:
-            outputs += self._handle_transfers()
-        for late in self.lora.expired(self.scheduler) if self.lora is not None else ():
-            outputs.append(self._fail(late, SLOT_TIMEOUT_ERROR))
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
-        if self.pipeline is not None and self.pipeline.deferred is not None:
-            return outputs + self._finish_deferred()
-        if self.batches is not None:
-            self.num_steps += self.batches.launch()
-            done = self.batches.finish_oldest()
-            return outputs + (self._postprocess(*done) if done else self._idle())
-        sched = self.scheduler.schedule()
-        if sched.scheduled:
-            logits = self.executor.execute(sched.scheduled)
-            self.num_steps += 1
-            if self.pipeline is not None and can_defer(sched.scheduled):
-                self.pipeline.defer(sched.scheduled, logits)
-                outputs += self._finish_deferred()
-            else:
-                outputs += self._postprocess(sched.scheduled, logits)
-        else:
-            outputs += self._idle()
-        return outputs
-
-    def _idle(self) -> list[RequestOutput]:
+    def _idle(self) -> None:
         if self.guided.has_pending() and not self.scheduler.has_work():
             self.guided.wait(0.005)  # only grammars compiling: wait briefly instead of spinning
-        return []
 
-    def _finish_deferred(self) -> list[RequestOutput]:
-        """Launch the step after the deferred one when possible (async scheduling), then
-        turn the deferred one's tokens into outputs while the GPU runs the next."""
-        assert self.pipeline is not None
-        step, launched = self.pipeline.advance()
-        self.num_steps += launched
-        return [
-            self._sampled_output(s.request, tok)
-            for s, tok in zip(step.scheduled, step.tokens.result(), strict=True)
-            if not s.request.is_finished  # finished at the step before, or aborted since
-        ]
+    @property
+    def num_steps(self) -> int:
+        """Model steps launched so far."""
+        return self.steps.num_steps
 
-    def _sampled_output(self, request: Request, tok: SampledToken) -> RequestOutput:
-        """Append one sampled token to its request and say so (text, logprob, finish)."""
-        text, status = self.outputs.accept_token(request, tok.token_id)
-        logprobs = [tok.logprob] if tok.logprob is not None else None
-        out = self._token_output(request, [tok.token_id], text, logprobs, status)
-        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            request.prompt_logprobs_sent = True  # with the first sampled token, once
-            out.prompt_logprobs = list(request.prompt_logprobs)
-        return out
+    # -- reports and the end --------------------------------------------------------------
+    def get_load(self) -> LoadStats:
+        return self.reports.get_load()
 
-    def _admit_guided(self) -> list[RequestOutput]:
-        """Route requests whose grammar is ready; fail those it cannot serve."""
-        ready, failed = self.guided.poll()
-        for request in ready:
-            self._route(request)
-        return [self._fail(failure.request, failure.error) for failure in failed]
+    def stats(self, load: LoadStats | None = None) -> EngineStats:
+        """Load (``load`` if given, else now), connector counters, KV fallbacks and
+        speculative counters, as one snapshot."""
+        return self.reports.stats(load)
 
-    def _fail(self, request: Request, error: str) -> RequestOutput:
-        """Finish a request the engine cannot serve; its output carries ``error``."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.outputs.release(request.request_id)
-        self._release_extras(request.request_id)
-        out = self.outputs.output(request, [], "", finished=True)
-        out.error = error
-        return out
-
-    def _postprocess(
-        self, scheduled: list[ScheduledRequest], logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        """``logits`` has one row per request, ``1 + drafts`` rows for one with drafts, or
-        one per position of a prompt chunk whose prompt logprobs are wanted."""
-        rows, to_sample, to_verify, row = [], [], [], 0
-        for s in scheduled:
-            n_spec = len(s.spec_token_ids)
-            prompt_rows = wants_prompt_rows(s.request)
-            n_rows = s.num_new_tokens if prompt_rows else 1 + n_spec
-            if s.request.is_finished:  # aborted while its batch was in flight (pp_batches.py)
-                row += n_rows
-                continue
-            if prompt_rows:
-                prompt_logprobs.record(
-                    s.request, s.request.num_computed_tokens, logits[row : row + n_rows]
-                )
-            s.request.num_computed_tokens += s.num_new_tokens - n_spec  # drafts count once accepted
-            if s.request.num_computed_tokens == s.request.num_tokens:
-                if n_spec:
-                    to_verify.append((s, logits[row : row + 1 + n_spec]))
-                else:
-                    rows.append(row + n_rows - 1)
-                    to_sample.append(s.request)
-            row += n_rows
-        outputs = []
-        if to_sample:
-            # Every row sampled (no drafts, no partial prefill): skip the gather's copy.
-            sample_logits = logits if len(rows) == logits.shape[0] else logits[rows]
-            sampled = self.sampler(sample_logits, to_sample)
-            outputs += [self._sampled_output(r, t) for r, t in zip(to_sample, sampled, strict=True)]
-        for s, verify_rows in to_verify:
-            outputs.append(self._verify(s, verify_rows))
-        return outputs
-
-    def _verify(self, s: ScheduledRequest, rows: torch.Tensor) -> RequestOutput:
-        """Speculative step of one request: accept a prefix of its drafts plus one token."""
-        assert self.spec is not None
-        request, tokens, texts = s.request, [], []
-        logprobs: list[TokenLogprob] = []
-        status: list[RequestStatus | None] = [None]
-
-        def emit(token: int, logprob: TokenLogprob | None) -> bool:
-            text, status[0] = self.outputs.accept_token(request, token)
-            tokens.append(token)
-            texts.append(text)
-            if logprob is not None:
-                logprobs.append(logprob)
-            return status[0] is not None
-
-        emitted = self.spec.verify(self.sampler, request, rows, s.spec_token_ids, emit)
-        # KV is valid for the pending token and the accepted drafts, not for rejected ones.
-        request.num_computed_tokens += emitted - 1
-        return self._token_output(request, tokens, "".join(texts), logprobs or None, status[0])
-
-    def _token_output(
-        self,
-        request: Request,
-        tokens: list[int],
-        text: str,
-        logprobs: list[TokenLogprob] | None,
-        finished_status: RequestStatus | None,
-    ) -> RequestOutput:
-        if finished_status is not None:
-            self._finish(request, finished_status)
-        out = self.outputs.output(
-            request, tokens, text, finished=finished_status is not None and not request.save_kv
-        )
-        out.logprobs = logprobs
-        return out
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.outputs.release(request.request_id)
-        self._release_extras(request.request_id)
-        if request.save_kv and self.transfers is not None:
-            self.scheduler.finish(request, status, keep_blocks=True)
-            self.transfers.start_save(request)
-        else:
-            self.scheduler.finish(request, status)
-
-    def _release_extras(self, request_id: str) -> None:
-        """Drop a finished request's grammar matcher and draft-model state."""
-        self.guided.release(request_id)
-        if self.spec is not None:
-            self.spec.release(request_id)
+    def close_kv(self) -> None:
+        """Stop the KV connector's workers (on every rank) and release the store."""
+        if self.transfers is not None:
+            self.transfers.connector.close()
 
     def shutdown(self) -> None:
         """Stop what the engine runs besides this thread (tensor-parallel workers, the

@@ -82,7 +82,7 @@ def measure(
     acc = {"forward": 0.0, "prepare": 0.0, "schedule": 0.0, "postprocess": 0.0}
     runner = engine.runner
     execute, prepare = runner.execute, runner.prepare
-    schedule, postprocess = engine.scheduler.schedule, engine._postprocess
+    schedule, postprocess = engine.scheduler.schedule, engine.post.process
 
     # Instance attributes shadow the methods; execute() calls self.prepare, so the
     # prepare timer sees the call made from inside execute.
@@ -173,7 +173,7 @@ def measure_llm(
     engine = llm.engine
     acc = {"forward": 0.0, "prepare": 0.0, "postprocess": 0.0}
     runner = engine.runner
-    execute, prepare, postprocess = runner.execute, runner.prepare, engine._postprocess
+    execute, prepare, postprocess = runner.execute, runner.prepare, engine.post.process
     step_fn, schedule = engine.step, engine.scheduler.schedule
     # Per step: (start, end, forward s, postprocess s, every scheduled row a decode).
     marks: list[tuple[float, float, float, float, bool]] = []

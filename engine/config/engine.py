@@ -73,7 +73,7 @@ class EngineConfig:
     # same bytes, a launch fewer per projection). Off until measured on the GPU kinds.
     fp8_fused_quant: bool = False
     fused_ops: bool = True  # Triton RMSNorm/rope/SiLU kernels on CUDA (engine/models/layer_ops.py)
-    # Launch decode step n+1 before step n's tokens reach the host (engine/async_scheduling.py).
+    # Launch decode step n+1 before step n's tokens reach the host (engine/step/async_scheduling.py).
     # None: on for CUDA, where the host time it hides is a tenth of a small model's step.
     async_scheduling: bool | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +82,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Pipeline parallelism (vLLM's name): P contiguous stages of layers, a P x N grid of
     # processes. ``pipeline_inflight_batches``: keep up to P batches in flight so every
-    # stage works at once (off: one batch at a time, the bubble; engine/pp_batches.py).
+    # stage works at once (off: one batch at a time, the bubble; engine/step/pp_batches.py).
     pipeline_parallel_size: int = 1
     pipeline_inflight_batches: bool = True
     # ``pipeline_leader`` "HOST:PORT" spreads the stages over hosts (one pod per stage on

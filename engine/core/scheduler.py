@@ -116,7 +116,7 @@ class Scheduler:
         self, busy: frozenset[str] | set[str] = frozenset(), max_seqs: int | None = None
     ) -> SchedulerOutput:
         """The next step's requests. Pipeline parallelism's in-flight batches
-        (engine/pp_batches.py): ``busy`` requests are in a batch still in flight and are
+        (engine/step/pp_batches.py): ``busy`` requests are in a batch still in flight and are
         neither scheduled nor preempted, and the step takes at most ``max_seqs`` requests
         (so the running ones spread over the batches in flight)."""
         out = SchedulerOutput()
@@ -159,7 +159,7 @@ class Scheduler:
 
     def schedule_ahead(self, requests: list[Request]) -> list[ScheduledRequest] | None:
         """The next decode step of running ``requests`` whose newest token is still in
-        flight (engine/async_scheduling.py): one slot each, at ``num_computed_tokens``.
+        flight (engine/step/async_scheduling.py): one slot each, at ``num_computed_tokens``.
         None when the pool is short; the caller then takes a synchronous step, which may
         preempt (blocks taken here for some requests stay theirs)."""
         out = []

@@ -1,6 +1,6 @@
-"""``LLMEngine``'s side of KV transfers (P/D): what the engine does with the connector's
-finished loads and saves each step, and closing the connector (kept apart from the step
-loop in ``engine/llm_engine.py``; the transfers themselves are ``engine/kv/transfers.py``)."""
+"""The step hook of KV transfers (P/D): what the engine does each step with the
+connector's finished loads and saves (the transfers themselves are
+``engine/kv/transfers.py``)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,29 @@ from engine.kv.transfers import KVTransferCoordinator, LoadOutcome
 
 if TYPE_CHECKING:
     from engine.core.scheduler import Scheduler
-    from engine.output_processor import OutputProcessor
+    from engine.step.output_processor import OutputProcessor
+    from engine.step.outputs import StepOutputs
 
 
-class KVServing:
-    """Mixed into ``LLMEngine``, whose parts these use."""
+class KVTransfers:
+    """Finished loads make their requests ready (or fail them), finished saves end their
+    requests, released holds free their blocks, and queued loads start."""
 
-    scheduler: Scheduler
-    outputs: OutputProcessor
-    transfers: KVTransferCoordinator | None
+    def __init__(
+        self,
+        transfers: KVTransferCoordinator,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        post: StepOutputs,
+    ) -> None:
+        self.transfers, self.scheduler, self.outputs, self.post = (
+            transfers,
+            scheduler,
+            outputs,
+            post,
+        )
 
-    if TYPE_CHECKING:
-
-        def _fail(self, request: Request, error: str) -> RequestOutput: ...
-
-    def _handle_transfers(self) -> list[RequestOutput]:
-        assert self.transfers is not None
+    def before_step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         found = self.transfers.poll()
         for outcome in found.loads:
@@ -40,6 +47,9 @@ class KVServing:
             self.scheduler.make_ready(request)
         return outputs
 
+    def has_work(self) -> bool:
+        return self.transfers.has_work()
+
     def _on_loaded(self, outcome: LoadOutcome) -> list[RequestOutput]:
         request = outcome.request
         if outcome.aborted:  # its abort output went out already; the blocks may go now
@@ -50,7 +60,7 @@ class KVServing:
         request.kv_blocks_recomputed = outcome.blocks_recomputed
         request.kv_bytes_loaded = outcome.bytes_loaded
         if not outcome.ok:
-            return [self._fail(request, outcome.error or "KV load failed")]
+            return [self.post.fail(request, outcome.error or "KV load failed")]
         self.scheduler.make_ready(request)
         return []
 
@@ -62,8 +72,3 @@ class KVServing:
         out = self.outputs.output(request, [], "", finished=True)
         out.kv_saved = saved
         return out
-
-    def close_kv(self) -> None:
-        """Stop the KV connector's workers (on every rank) and release the store."""
-        if self.transfers is not None:
-            self.transfers.connector.close()

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/async_scheduling.py) gives exactly the outputs of synchronous
+"""Async scheduling (engine/step/async_scheduling.py) gives exactly the outputs of synchronous
 steps: greedy and seeded sampling with logprobs, stop strings and max_tokens ending
 requests mid-pipeline, EOS, aborts while a step is in flight, arrivals that force a
 synchronous step, preemption under a small KV pool, and requests the pipeline must not

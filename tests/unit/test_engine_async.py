@@ -23,7 +23,7 @@ async def engine(
     tiny_model_dir: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[AsyncLLMEngine]:
     """Each test runs with synchronous steps and with async scheduling (the GPU default;
-    engine/async_scheduling.py), which the step loop must drive the same way."""
+    engine/step/async_scheduling.py), which the step loop must drive the same way."""
     config = EngineConfig(
         model=str(tiny_model_dir), kv_cache_memory=1 << 22, async_scheduling=request.param
     )

@@ -67,6 +67,7 @@ ENGINE_LAYERS = (
     "kv",  # the engine's side of KV transfer
     "executor",  # model runner, single process and tensor-parallel ranks
     "spec_decode",  # proposers and verification
+    "step",  # the step seam: sync, async scheduling, batches in flight; hooks; outputs
 )
 
 # Bottom first, the router's layers: its shared top-level modules, then its subpackages.

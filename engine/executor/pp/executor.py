@@ -11,7 +11,7 @@ every worker's pipe (every stage needs the positions, slots and block tables), r
 0's layers, starts the send of the hidden states to stage 1 and posts the receive of the
 logits from the last stage, and returns without waiting; ``result`` waits for those
 logits (at most ``distributed_timeout``). The engine may ``submit`` up to P steps before
-it reads the first one's result (in-flight batches, ``engine/pp_batches.py``): stage 0
+it reads the first one's result (in-flight batches, ``engine/step/pp_batches.py``): stage 0
 runs step k + 1 while stage 1 runs step k.
 """
 
