@@ -1,13 +1,15 @@
-"""``EngineArgs``: the engine settings of a service, declared once (docs/design.md §3 "Settings").
+"""``EngineArgs``: the engine settings of a service as flags (docs/design.md §3 "Settings").
 
-Each field is one setting: its default, unit, argparse type (which validates), help, the
-``PDSERVE_*`` twin (derived from the flag), whether `pdserve up` forwards it to every
-engine (``forward=True``) and the Helm value that sets it (``helm``). The prefill and decode
-services add these flags (``EngineArgs.add_arguments``), `pdserve up` adds the forwarded
-ones, ``pdserve bench throughput|latency`` mirrors a few, and ``create_engine_config``
-turns them into the engine's ``EngineConfig``: a field named like an ``EngineConfig`` field
-is passed to it as is (None = the engine's own default), so a new engine knob needs one
-field here and none of the callers change.
+An engine setting's default, choices, unit and help are declared once, on its
+``EngineConfig`` part (``engine/config/parts.py``); each field here derives them from there
+(``engine_setting``) and adds only what is the command line's: the argparse type (which
+validates), whether `pdserve up` forwards it to every engine (``forward=True``) and the
+Helm value that sets it (``helm``); its ``PDSERVE_*`` twin is derived from the flag. The
+prefill and decode services add these flags (``EngineArgs.add_arguments``), `pdserve up`
+adds the forwarded ones, ``pdserve bench throughput|latency`` mirrors a few, and
+``create_engine_config`` turns them into the engine's ``EngineConfig``: a field named like
+an ``EngineConfig`` field is passed to it as is (None = the engine's own default). The
+fields of ``SERVICE_ONLY`` are the service's own.
 
 Torch-free: the services' command lines and `pdserve up` import this module.
 """
@@ -18,7 +20,7 @@ import argparse
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.flags import (
     byte_size,
@@ -29,14 +31,14 @@ from common.flags import (
     positive_int,
 )
 from common.settings import ArgsModel, Setting, setting
+from common.sizes import format_bytes
+from engine.config.engine import EngineConfig
+from engine.config.parts import knobs
 
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-
+ENGINE_KNOBS = knobs(EngineConfig)  # every engine setting's default, choices, unit, help
 # The engine validates the value at startup (engine.config.speculative).
-SPECULATIVE_HELP = (
-    'speculative decoding: "ngram:k=4[,n=4,min_n=1]" or "draft:model=PATH,k=4"; unset = off'
-)
+SPECULATIVE_HELP = ENGINE_KNOBS["speculative"].help
+UNSET = None  # an engine flag's default that leaves the engine's own (not forwarded)
 # Settings of the service process rather than EngineConfig fields (create_engine_config
 # maps them); every other field must be named like an EngineConfig field (a test checks).
 SERVICE_ONLY = (
@@ -46,6 +48,24 @@ SERVICE_ONLY = (
     "no_pipeline_inflight_batches",
     "no_kv_events",
 )
+
+
+def engine_setting(name: str, default: Any = ..., **cli: Any) -> Any:
+    """The setting of ``EngineConfig`` field ``name``: its default, choices, unit and help
+    come from the field's knob (``engine/config/parts.py``); ``cli`` adds what is the
+    command line's (``type``, ``forward``, ``helm``, ``switch``, ``many``, ``aliases``,
+    ``roles``, or ``choices`` narrower than the engine's). ``default=UNSET``: the flag is
+    unset unless given and the engine keeps its own default, which the help names."""
+    spec = ENGINE_KNOBS[name]
+    help_text = spec.help
+    if default is UNSET and spec.default:
+        shown = format_bytes(spec.default) if spec.unit == "bytes" else spec.default
+        help_text += f" (engine default {shown})"
+    if cli.get("switch"):
+        return setting(help=help_text, **cli)
+    cli.setdefault("choices", spec.choices)
+    cli.setdefault("unit", spec.unit)
+    return setting(spec.default if default is ... else default, help=help_text, **cli)
 
 
 def parse_lora_modules(specs: Iterable[str]) -> tuple[tuple[str, str], ...]:
@@ -87,40 +107,21 @@ class EngineArgs(ArgsModel):
     GROUP = "engine"
 
     model: str = setting("smollm2", help="model name (see `pdserve models`) or local HF directory")
-    device: str = setting("cpu", choices=("cpu", "cuda"), help="device", helm="engine.device")
-    dtype: str = setting(
-        "auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights/KV dtype",
-        forward=True,
-        helm="engine.dtype",
-    )
-    kv_cache_dtype: str = setting(
-        "auto",
-        choices=("auto", "fp8"),
-        help="KV cache storage: auto = the model dtype, fp8 = float8 e4m3 (half the bytes)",
-        forward=True,
-    )
-    load_format: str = setting(
-        "auto",
-        choices=("auto", "dummy"),
-        help="dummy = random weights, no files",
-        forward=True,
-        helm="engine.loadFormat",
-    )
-    block_size: int = setting(16, type=positive_int, unit="tokens", help="tokens per KV block")
-    max_num_seqs: int = setting(
-        256,
+    # The config also takes "cuda:N"; a service picks its GPU through CUDA_VISIBLE_DEVICES.
+    device: str = engine_setting("device", choices=("cpu", "cuda"), helm="engine.device")
+    dtype: str = engine_setting("dtype", forward=True, helm="engine.dtype")
+    kv_cache_dtype: str = engine_setting("kv_cache_dtype", forward=True)
+    load_format: str = engine_setting("load_format", forward=True, helm="engine.loadFormat")
+    block_size: int = engine_setting("block_size", type=positive_int)
+    max_num_seqs: int = engine_setting(
+        "max_num_seqs",
         type=positive_int,
-        help="max running requests",
         forward=True,
         helm=("engine.maxNumSeqs", "prefill.maxNumSeqs", "decode.maxNumSeqs"),
     )
-    max_num_batched_tokens: int = setting(
-        2048,
+    max_num_batched_tokens: int = engine_setting(
+        "max_num_batched_tokens",
         type=positive_int,
-        unit="tokens",
-        help="token budget per step",
         forward=True,
         helm=(
             "engine.maxNumBatchedTokens",
@@ -128,115 +129,49 @@ class EngineArgs(ArgsModel):
             "decode.maxNumBatchedTokens",
         ),
     )
-    scheduling_policy: str = setting(
-        "fcfs",
-        choices=("fcfs", "priority"),
-        help="order of waiting requests: fcfs, or priority (the gRPC request's priority, "
-        "lower first; ties by arrival)",
-        forward=True,
+    scheduling_policy: str = engine_setting("scheduling_policy", forward=True)
+    max_model_len: int | None = engine_setting("max_model_len", type=optional_int, forward=True)
+    kv_cache_memory: int | None = engine_setting(
+        "kv_cache_memory", UNSET, type=memory_size, forward=True
     )
-    max_model_len: int | None = setting(
-        None, type=optional_int, unit="tokens", help="max prompt+output tokens", forward=True
-    )
-    kv_cache_memory: int | None = setting(
-        None,
-        type=memory_size,
-        unit="bytes",
-        help="KV cache size, e.g. 512Mi or 2GiB",
-        forward=True,
-    )
-    gpu_memory_utilization: float = setting(
-        0.9,
+    gpu_memory_utilization: float = engine_setting(
+        "gpu_memory_utilization",
         type=fraction,
-        help="GPU memory fraction",
         helm=(
             "engine.gpuMemoryUtilization",
             "prefill.gpuMemoryUtilization",
             "decode.gpuMemoryUtilization",
         ),
     )
-    attention_backend: str | None = setting(
-        None,
-        choices=("auto", "torch_ref", "triton", "flash_attn"),
-        help="attention kernels (engine default auto: Triton on CUDA, plus FA4 per "
-        "step shape when flash-attn-4 is installed; docs/gpu.md)",
-        forward=True,
+    attention_backend: str | None = engine_setting("attention_backend", UNSET, forward=True)
+    quantization: str | None = engine_setting("quantization", forward=True)
+    seed: int = engine_setting("seed", type=int, forward=True)
+    guided_max_bytes: int = engine_setting("guided_max_bytes", type=byte_size, forward=True)
+    guided_compile_timeout: float = engine_setting(
+        "guided_compile_timeout", type=float, forward=True
     )
-    quantization: str | None = setting(
-        None,
-        choices=("fp8",),
-        help="fp8 = e4m3 weights quantized at load (docs/quantization.md); unset = "
-        "the checkpoint's own (an FP8 checkpoint loads as FP8 either way)",
-        forward=True,
+    guided_compile_memory: int = engine_setting(
+        "guided_compile_memory", type=byte_size, forward=True
     )
-    seed: int = setting(0, type=int, help="engine seed", forward=True)
-    guided_max_bytes: int = setting(
-        256 * 1024,
-        type=byte_size,
-        unit="bytes",
-        help="largest guided-decoding guide (schema, regex, grammar, choices) accepted",
-        forward=True,
+    guided_cache_dir: str = engine_setting("guided_cache_dir", forward=True)
+    deterministic: bool = engine_setting(
+        "deterministic", switch=True, forward=True, helm="engine.deterministic"
     )
-    guided_compile_timeout: float = setting(
-        20.0,
-        type=float,
-        unit="s",
-        help="seconds a guide's grammar may take to compile before its request is refused "
-        "(and the guide refused at once after that)",
-        forward=True,
+    speculative: str | None = engine_setting("speculative", type=optional_text)
+    tensor_parallel_size: int = engine_setting(
+        "tensor_parallel_size", type=positive_int, forward=True, helm="engine.tensorParallelSize"
     )
-    guided_compile_memory: int = setting(
-        1 << 30,
-        type=byte_size,
-        unit="bytes",
-        help="memory a guide's grammar compile may use (in a process of its own; over it the "
-        "request is refused and the guide refused at once after that), e.g. 512Mi",
-        forward=True,
-    )
-    guided_cache_dir: str = setting(
-        "",
-        help="a directory every instance can read and write (a shared volume): each "
-        "compiled grammar is left there and loaded by the other instances instead of "
-        "compiled again; `pdserve up` uses its run directory; empty = off",
-        forward=True,
-    )
-    deterministic: bool = setting(
-        switch=True,
-        forward=True,
-        help="batch-invariant kernels: a request's tokens and logits do not depend on the "
-        'requests batched with it (slower; docs/running.md "Deterministic mode")',
-        helm="engine.deterministic",
-    )
-    speculative: str | None = setting(None, type=optional_text, help=SPECULATIVE_HELP)
-    tensor_parallel_size: int = setting(
-        1,
+    pipeline_parallel_size: int = engine_setting(
+        "pipeline_parallel_size",
         type=positive_int,
-        help="shard the model over this many processes (GPUs on CUDA)",
-        forward=True,
-        helm="engine.tensorParallelSize",
-    )
-    pipeline_parallel_size: int = setting(
-        1,
-        type=positive_int,
-        help="split the model's layers into this many pipeline stages, each of "
-        "--tensor-parallel-size processes (P x N processes; GPUs on CUDA)",
         forward=True,
         helm="engine.pipelineParallelSize",
         aliases=("-pp",),
     )
     # Set per pod by the Helm chart's pipeline groups (docs/kubernetes.md): a StatefulSet
     # pod's ordinal is its stage, and every stage dials stage 0's stable DNS name.
-    pipeline_stage: int = setting(
-        0,
-        type=non_negative_int,
-        help="the pipeline stage this process runs when the stages span hosts (with "
-        "--pipeline-leader)",
-    )
-    pipeline_leader: str = setting(
-        "",
-        help="HOST:PORT of stage 0's rendezvous when the stages span hosts (stage 0 listens "
-        "on PORT); empty = every stage runs on this host",
-    )
+    pipeline_stage: int = engine_setting("pipeline_stage", type=non_negative_int)
+    pipeline_leader: str = engine_setting("pipeline_leader")
     no_pipeline_inflight_batches: bool = setting(
         switch=True,
         help="run one batch at a time through the pipeline stages (default: up to "
@@ -253,63 +188,26 @@ class EngineArgs(ArgsModel):
         help="do not publish KV cache events (SubscribeKvEvents answers UNIMPLEMENTED; "
         "routers fall back to guessing what this instance holds)",
     )
-    kv_events_max_queue: int = setting(
-        1024,
-        type=positive_int,
-        unit="batches",
-        help="KV event batches a subscriber may fall behind before its stream is cut off "
-        "(RESOURCE_EXHAUSTED; it resubscribes from a snapshot)",
-    )
-    kv_offloading_size: int | None = setting(
-        None,
-        type=memory_size,
-        unit="bytes",
-        forward=True,
-        help="host memory (pinned on CUDA) that keeps KV blocks the device cache evicts, "
-        "reloaded on a prefix hit, e.g. 4Gi; unset = no host tier",
-        helm="engine.kvOffloadingSize",
+    kv_events_max_queue: int = engine_setting("kv_events_max_queue", type=positive_int)
+    kv_offloading_size: int | None = engine_setting(
+        "kv_offloading_size", UNSET, type=memory_size, forward=True, helm="engine.kvOffloadingSize"
     )
     # Multi-LoRA (docs/lora.md), vLLM's names; `--lora-modules` implies --enable-lora.
     # Not forwarded by `pdserve up` (a switch): there --lora-modules turns LoRA on.
-    enable_lora: bool = setting(
-        switch=True, help="serve LoRA adapters (also set by --lora-modules)"
+    enable_lora: bool = engine_setting("enable_lora", switch=True)
+    lora_modules: list[str] = engine_setting(
+        "lora_modules", type=lora_module, many=True, forward=True
     )
-    lora_modules: list[str] = setting(
-        (),
-        type=lora_module,
-        many=True,
-        forward=True,
-        help="LoRA adapters (HF PEFT directories) served under these model names, as "
-        "NAME=PATH; the env twin holds them separated by spaces or commas",
+    max_loras: int | None = engine_setting("max_loras", UNSET, type=positive_int, forward=True)
+    max_lora_rank: int | None = engine_setting(
+        "max_lora_rank", UNSET, type=positive_int, forward=True
     )
-    max_loras: int | None = setting(
-        None,
-        type=positive_int,
-        forward=True,
-        help="LoRA adapters in device slots at once (engine default 1)",
+    max_cpu_loras: int | None = engine_setting("max_cpu_loras", type=positive_int, forward=True)
+    lora_wait_timeout: float | None = engine_setting(
+        "lora_wait_timeout", UNSET, type=float, forward=True
     )
-    max_lora_rank: int | None = setting(
-        None, type=positive_int, forward=True, help="largest LoRA rank served (engine default 16)"
-    )
-    max_cpu_loras: int | None = setting(
-        None,
-        type=positive_int,
-        forward=True,
-        help="LoRA adapters kept checked in host memory (default max-loras)",
-    )
-    lora_wait_timeout: float | None = setting(
-        None,
-        type=float,
-        unit="s",
-        forward=True,
-        help="seconds a request waits for a LoRA slot before it is refused (engine default 30)",
-    )
-    kv_load_failure: str | None = setting(
-        "recompute",
-        choices=("recompute", "fail"),
-        roles=("decode",),
-        help="a KV block missing or corrupt in the store: recompute it locally or fail the request",
-        helm="decode.kvLoadFailure",
+    kv_load_failure: str | None = engine_setting(
+        "kv_load_failure", roles=("decode",), helm="decode.kvLoadFailure"
     )
 
     @classmethod
@@ -326,7 +224,6 @@ class EngineArgs(ArgsModel):
         engine's default.
         """
         from common.models import resolve_model
-        from engine.config import EngineConfig
 
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         kwargs: dict[str, Any] = {

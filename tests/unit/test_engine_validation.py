@@ -72,7 +72,7 @@ def test_sampling_params_accept_edges() -> None:
         ({"num_kv_blocks": 1}, r"num_kv_blocks must be >= 2"),
         ({"kv_cache_memory": 0}, r"kv_cache_memory must be > 0"),
         ({"scheduling_policy": "lifo"}, r"scheduling_policy must be one of"),
-        ({"load_format": "pt"}, r"load_format must be 'auto' or 'dummy'"),
+        ({"load_format": "pt"}, r"load_format must be one of \('auto', 'dummy'\)"),
         ({"max_model_len": 0}, r"max_model_len must be >= 1"),
         ({"kv_load_failure": "ignore"}, r"kv_load_failure must be"),
     ],
