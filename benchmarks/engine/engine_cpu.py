@@ -179,8 +179,8 @@ def hf_throughput(
 
 def scheduler_cost(args: argparse.Namespace) -> dict[str, Any]:
     """Drive Scheduler + KVCacheManager with no model: each step schedules, then does what
-    LLMEngine._postprocess does besides sampling (advance counters, append a token, stop,
-    free). Phase "decode": all requests running. Phase "churn": a finished request is
+    StepOutputs.process (engine/step/outputs.py) does besides sampling (advance counters,
+    append a token, stop, free). Phase "decode": all requests running. Phase "churn": a finished request is
     replaced at once by a new ~input_len prompt (prefix lookups, chunked prefill, frees)."""
     n = args.sched_requests
     config = EngineConfig(

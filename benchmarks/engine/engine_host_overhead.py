@@ -1,7 +1,7 @@
 """Host (CPU) time per engine step, with the forward pass taken out.
 
 On a GPU the engine's host work per step (scheduling, ``ModelRunner.prepare``, sampling,
-``_postprocess``, detokenization) runs serialised with the model's step, so every
+``StepOutputs.process``, detokenization) runs serialised with the model's step, so every
 millisecond of it adds to TPOT. This benchmark isolates that host time on the CPU: a tiny
 dummy Llama (2 layers, hidden 64) makes the forward cheap, N requests of 1000 random
 prompt tokens are prefilled, and then ``--decode-steps`` decode steps are timed. Per step:

@@ -112,7 +112,7 @@ def measure(
     setattr(runner, "prepare", timed_prepare)  # noqa: B010 - shadow the bound method
     setattr(runner, "execute", timed_execute)  # noqa: B010
     setattr(engine.scheduler, "schedule", timed("schedule", schedule))  # noqa: B010
-    setattr(engine, "_postprocess", timed("postprocess", postprocess))  # noqa: B010
+    setattr(engine.post, "process", timed("postprocess", postprocess))  # noqa: B010
 
     requests = list(engine.scheduler.requests.values())
     prefill_steps = 0
@@ -216,7 +216,7 @@ def measure_llm(
 
     setattr(runner, "prepare", timed_prepare)  # noqa: B010 - shadow the bound methods
     setattr(runner, "execute", timed_execute)  # noqa: B010
-    setattr(engine, "_postprocess", timed_postprocess)  # noqa: B010
+    setattr(engine.post, "process", timed_postprocess)  # noqa: B010
     setattr(engine.scheduler, "schedule", spy_schedule)  # noqa: B010
     setattr(engine, "step", timed_step)  # noqa: B010
     prompts = random_prompts(batch, prompt_len, 1024, seed=0)

@@ -1,5 +1,5 @@
 """Scheduler invariants over randomized workloads, driving Scheduler + KVCacheManager
-directly (no model): each step schedules, then does what LLMEngine._postprocess does
+directly (no model): each step schedules, then does what StepOutputs.process does
 (advance computed counters, append a token when a request is caught up, finish at
 max_tokens). Tokens are a pure function of the request and position, so a preempted and
 recomputed request must end with exactly the tokens it would have had anyway."""
