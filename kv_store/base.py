@@ -241,3 +241,12 @@ class RankWorker(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def rank_fingerprint(model_fingerprint: str, rank: int, size: int) -> str:
+    """The fingerprint rank ``rank`` of ``size`` keys its records under (unchanged for 1).
+
+    Part of the interface: the tensor-parallel fan-out and the grid mapping of
+    ``kv_store/reshard.py`` both name a rank's records by it (docs/design.md §3 "Connector").
+    """
+    return model_fingerprint if size == 1 else f"{model_fingerprint}-r{rank}"

@@ -22,8 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kv_store.base import KvLayout
-from kv_store.tp_connector import rank_fingerprint
+from kv_store.base import KvLayout, rank_fingerprint
 
 
 @dataclass(frozen=True, slots=True)

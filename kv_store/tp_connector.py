@@ -32,7 +32,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kv_store.base import KVConnectorWorker, KvLayout, KVTransfer, RankChannel, TransferResult
+from kv_store.base import (
+    KVConnectorWorker,
+    KvLayout,
+    KVTransfer,
+    RankChannel,
+    TransferResult,
+    rank_fingerprint,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,11 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RANK_SEP = ","
-
-
-def rank_fingerprint(model_fingerprint: str, rank: int, size: int) -> str:
-    """The fingerprint rank ``rank`` of ``size`` keys its records under (unchanged for 1)."""
-    return model_fingerprint if size == 1 else f"{model_fingerprint}-r{rank}"
 
 
 def split_ranks(value: str, size: int) -> list[str] | None:

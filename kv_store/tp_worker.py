@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kv_store.base import KVConnector, KvLayout, TransferResult
-from kv_store.tp_connector import rank_fingerprint, result_to_json, transfer_from_json
+from kv_store.base import KVConnector, KvLayout, TransferResult, rank_fingerprint
+from kv_store.tp_connector import result_to_json, transfer_from_json
 
 if TYPE_CHECKING:
     import torch

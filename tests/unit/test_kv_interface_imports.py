@@ -10,9 +10,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 INTERFACE = "kv_store.base"
-# What the engine may import of kv_store: the interface, and the factory that builds each
-# role's connector (rank 0's, its fan-out over N ranks, a worker rank's end).
-ENGINE_MAY_IMPORT = {INTERFACE, "kv_store.factory"}
+# What the engine may import of kv_store: the interface, the factory that builds each
+# role's connector (rank 0's, its fan-out over N ranks, a worker rank's end), and the pure
+# mapping of layers and KV heads between unlike grids (which ranks hold which cells).
+GRID_MAPPING = "kv_store.reshard"
+ENGINE_MAY_IMPORT = {INTERFACE, "kv_store.factory", GRID_MAPPING}
 # What the interface may import of kv_store: the plain counters only.
 INTERFACE_MAY_IMPORT = {"kv_store.stats"}
 
@@ -46,6 +48,12 @@ def test_the_interface_imports_no_transport() -> None:
     imports = kv_store_imports(REPO / "kv_store" / "base.py")
     assert "kv_store.stats" in imports  # the walk sees the interface's imports
     assert imports <= INTERFACE_MAY_IMPORT, sorted(imports - INTERFACE_MAY_IMPORT)
+
+
+def test_the_grid_mapping_is_as_pure_as_the_interface() -> None:
+    imports = kv_store_imports(REPO / "kv_store" / "reshard.py")
+    assert INTERFACE in imports  # the walk sees the mapping's imports
+    assert imports <= INTERFACE_MAY_IMPORT | {INTERFACE}, sorted(imports - INTERFACE_MAY_IMPORT)
 
 
 def test_the_walk_catches_every_kind_of_import(tmp_path: Path) -> None:

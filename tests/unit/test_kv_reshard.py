@@ -13,11 +13,10 @@ import torch
 from common.block_hash import compute_block_hashes
 from engine.kv.reshard import grid_owned
 from engine.models import ModelArgs
-from kv_store.base import KvLayout, KVTransfer
+from kv_store.base import KvLayout, KVTransfer, rank_fingerprint
 from kv_store.block_connector import BlockStoreConnector
 from kv_store.fs_backend import FsBackend
 from kv_store.reshard import Owned, Reshard, covered
-from kv_store.tp_connector import rank_fingerprint
 
 BS, LAYERS, HEADS, DIM = 4, 4, 4, 2
 FP = "f" * 32

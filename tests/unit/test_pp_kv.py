@@ -19,7 +19,7 @@ from engine.kv.fingerprint import (
     tensor_parallel_size_of,
 )
 from engine.models import ModelArgs
-from kv_store.tp_connector import rank_fingerprint
+from kv_store.base import rank_fingerprint
 from pdserve_api.v1 import pdserve_pb2 as pb
 from service.convert import check_handle_compatible, kv_handle_fields, remote_kv_from_handle
 from service.errors import IncompatibleKvHandle
