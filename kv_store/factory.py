@@ -7,7 +7,8 @@ implementation; this module is the one place that does:
 - ``rank_worker``: a worker rank's end of rank 0's KV messages, which builds that rank's
   own connector with ``build_worker_connector``.
 
-A store kind (``--connector`` / ``--kv-store``) maps to its builder in ``STORE_BUILDERS``;
+A store kind (``--connector`` / ``--kv-store``) maps to its builder in ``STORE_BUILDERS``, a
+handoff connector (``--connector p2p|nixl``) to its builder in ``HANDOFF_BUILDERS``;
 a new kind is one builder and one entry there. The settings, their flags and ``PDSERVE_*``
 twins are declared once in ``kv_store/args.py`` (the table: docs/kv-store.md).
 """
@@ -17,17 +18,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.sizes import parse_bytes
 from kv_store.args import CONNECTORS, STORES, KVStoreSettings, add_cli_arguments
 from kv_store.base import KVConnector, KVConnectorWorker, RankChannel, RankWorker
 from kv_store.record_mac import record_mac
 
+if TYPE_CHECKING:
+    from kv_store.nixl import NixlConnector
+    from kv_store.p2p import P2PConnector
+
 # Re-exported: the settings model, its flags and the byte-size rule of --kv-capacity.
 __all__ = [
     "CONNECTORS",
     "STORES",
+    "HANDOFF_BUILDERS",
     "STORE_BUILDERS",
     "KVStoreSettings",
     "across_ranks",
@@ -88,41 +94,37 @@ def rank_worker(rank: int, host: str | None = None) -> RankWorker:
 
 def _build(settings: KVStoreSettings, host: str) -> KVConnector | None:
     settings.validate()
-    if settings.connector == "p2p":
-        from kv_store.p2p import P2PConnector
-
-        p2p = P2PConnector(
-            host=settings.p2p_host or host,
-            port=settings.p2p_port,
-            lease_s=settings.p2p_lease_s,
-            timeout_s=settings.p2p_timeout_s,
-            token=settings.p2p_token,
-        )
-        store = _build_store(settings, settings.kv_store)
-        if store is None:
-            return p2p
-        from kv_store.p2p.composed import P2PWithStore
-
-        return P2PWithStore(p2p, store)
-    if settings.connector == "nixl":
-        return _build_nixl(settings)
-    return _build_store(settings, settings.connector)
-
-
-def _build_nixl(settings: KVStoreSettings) -> KVConnector:
-    """NIXL handoff (its agent's metadata rides in the handles: no port of its own), and
-    the store beside it as with p2p."""
-    from kv_store.nixl import NixlConnector
-
-    nixl = NixlConnector(
-        lease_s=settings.p2p_lease_s, timeout_s=settings.p2p_timeout_s, token=settings.p2p_token
-    )
-    store = _build_store(settings, settings.kv_store)
+    handoff = HANDOFF_BUILDERS.get(settings.connector)
+    if handoff is None:
+        return _build_store(settings, settings.connector)
+    direct = handoff(settings, host)
+    store = _build_store(settings, settings.kv_store)  # --kv-store: a tier beside the handoff
     if store is None:
-        return nixl
+        return direct
     from kv_store.p2p.composed import P2PWithStore
 
-    return P2PWithStore(nixl, store)
+    return P2PWithStore(direct, store)
+
+
+def _p2p(settings: KVStoreSettings, host: str) -> P2PConnector:
+    from kv_store.p2p import P2PConnector
+
+    return P2PConnector(
+        host=settings.p2p_host or host,
+        port=settings.p2p_port,
+        lease_s=settings.p2p_lease_s,
+        timeout_s=settings.p2p_timeout_s,
+        token=settings.p2p_token,
+    )
+
+
+def _nixl(settings: KVStoreSettings, host: str) -> NixlConnector:
+    """NIXL handoff: its agent's metadata rides in the handles, so no port of its own."""
+    from kv_store.nixl import NixlConnector
+
+    return NixlConnector(
+        lease_s=settings.p2p_lease_s, timeout_s=settings.p2p_timeout_s, token=settings.p2p_token
+    )
 
 
 def _build_store(settings: KVStoreSettings, kind: str) -> KVConnector | None:
@@ -164,7 +166,12 @@ def _lmcache(settings: KVStoreSettings) -> KVConnector:
     return LMCacheConnector(settings.lmcache_url, local_cpu_bytes=settings.kv_capacity or None)
 
 
-# The registry: each store kind's builder (validated settings in, a connector out).
+# The registries: each store kind's builder (validated settings in, a connector out), and
+# each handoff connector's (also given this service's address); a handoff composes with the
+# store of --kv-store.
 STORE_BUILDERS: Mapping[str, Callable[[KVStoreSettings], KVConnector]] = MappingProxyType(
     {"fs": _fs, "redis": _redis, "lmcache": _lmcache}
+)
+HANDOFF_BUILDERS: Mapping[str, Callable[[KVStoreSettings, str], P2PConnector | NixlConnector]] = (
+    MappingProxyType({"p2p": _p2p, "nixl": _nixl})
 )
