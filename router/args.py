@@ -134,24 +134,28 @@ class RouterArgs(ArgsModel):
         type=non_negative_float,
         help="prefix_aware: worth of a held block in the engine's KV cache",
         helm="router.prefixWeights.device",
+        forward=True,
     )
     prefix_weight_host: float = setting(
         0.8,
         type=non_negative_float,
         help="prefix_aware: worth of a held block in the engine's host-memory tier",
         helm="router.prefixWeights.host",
+        forward=True,
     )
     prefix_weight_store: float = setting(
         0.5,
         type=non_negative_float,
         help="prefix_aware: worth of a held block in the KV store",
         helm="router.prefixWeights.store",
+        forward=True,
     )
     prefix_load_weight: float = setting(
-        4.0,
+        1.0,
         type=non_negative_float,
         help="prefix_aware: held blocks one unit of load (waiting x 4 + running) outweighs",
         helm="router.prefixWeights.load",
+        forward=True,
     )
     decode_first: str = setting(
         "full",

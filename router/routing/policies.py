@@ -96,7 +96,9 @@ class RoundRobinPolicy:
 class PrefixAwarePolicy:
     """Score each instance by the prompt's leading blocks it holds, weighted by tier,
     against its load: ``score = weighted hit blocks − load_weight × load_score``; the best
-    score wins (ties: less load, then URL).
+    score wins (ties: less load, then URL). ``load_weight`` 1.0 (one held block per unit of
+    load) was tuned on ``benchmarks/system/kv_routing.py``: at 4.0 a conversation's next turn
+    left the instance holding it whenever the loads differed by one request.
 
     Hits come from the event index where the instance's stream is live, else from the
     guessing index (``matcher``). Least load also wins when the winner is overloaded
@@ -110,7 +112,7 @@ class PrefixAwarePolicy:
         self,
         matcher: PrefixMatcher,
         *,
-        load_weight: float = 4.0,
+        load_weight: float = 1.0,
         skew_ratio: float = 2.0,
         skew_slack: float = 8.0,
     ) -> None:
@@ -183,7 +185,7 @@ class SessionPolicy:
         return by_url[ring.owners[i]]
 
 
-def make_policy(name: str, matcher: PrefixMatcher, load_weight: float = 4.0) -> Policy:
+def make_policy(name: str, matcher: PrefixMatcher, load_weight: float = 1.0) -> Policy:
     """Build the policy called ``name`` (one of :data:`POLICY_NAMES`); ``matcher`` and
     ``load_weight`` are ``prefix_aware``'s."""
     if name == "least_load":

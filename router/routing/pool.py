@@ -140,7 +140,7 @@ class InstancePool:
         kv_index_max_entries: int = 500_000,
         kv_pending_window: float = 10.0,
         tier_weights: TierWeights | None = None,
-        prefix_load_weight: float = 4.0,
+        prefix_load_weight: float = 1.0,
     ) -> None:
         if name not in ("prefill", "decode"):
             raise ValueError(f"pool name must be 'prefill' or 'decode', got {name!r}")

@@ -104,6 +104,25 @@ def test_prefix_aware_prefers_cached_instance_and_falls_back_when_skewed() -> No
     assert policy.select([a, b], RouteContext()).url == "b"  # no hashes → least load
 
 
+def test_prefix_aware_default_keeps_a_conversation_one_request_busier() -> None:
+    """The tuned default load weight (benchmarks/README.md "kv_routing"): a conversation's
+    next turn stays on the instance holding its last turn (10 blocks) though it runs one
+    request more than the other, which holds only the shared system prompt (6 blocks). At
+    the old weight of 4 the one request of load cancelled the 4 extra blocks and the turn
+    moved, splitting the conversation's cache."""
+    index = PrefixIndex()
+    policy = PrefixAwarePolicy(guess_matcher(index))
+    holder, other = Inst("a", running=2), Inst("b", running=1)
+    turn = hashes(list(range(48)))  # 12 blocks of 4
+    index.record("a", turn[:10])
+    index.record("b", turn[:6])
+    ctx = RouteContext(block_hashes=turn)
+    assert policy.select([holder, other], ctx).url == "a"
+    assert ctx.note is not None and ctx.note.reason == "prefix_guess"
+    holder.running = 6  # 5 requests more than the other: the 4 extra blocks no longer pay
+    assert policy.select([holder, other], ctx).url == "b"
+
+
 def test_session_policy_is_sticky_and_moves_few_users() -> None:
     policy = SessionPolicy()
     insts = [Inst(f"10.0.0.{i}:50052") for i in range(4)]
