@@ -46,6 +46,7 @@ DASHBOARD = REPO / "helm" / "pdserve" / "dashboards" / "pdserve.json"
 NS = "serving"  # the namespace tests/integration/test_autoscaler.cluster uses
 RATE_WINDOW = "20s"  # $__rate_interval: several 1 s scrapes
 DEADLINE_S = 90.0
+PROMETHEUS_READY_S = 60.0
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -133,8 +134,10 @@ def prometheus(tmp_path: Path, config: Path) -> Iterator[str]:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, tmp_path / "prometheus.log")
+        yield url
     finally:
         proc.terminate()
         try:
@@ -143,6 +146,19 @@ def prometheus(tmp_path: Path, config: Path) -> Iterator[str]:
             proc.kill()
             proc.wait(timeout=10)
         log.close()
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until Prometheus answers /-/ready (its start takes seconds on a loaded machine);
+    fails with its log if it exits or the deadline passes."""
+    deadline = time.monotonic() + PROMETHEUS_READY_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"prometheus exited: {log.read_text()[-2000:]}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/-/ready", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"prometheus not ready after {PROMETHEUS_READY_S} s: {log.read_text()[-2000:]}")
 
 
 def query(url: str, expr: str) -> list[dict[str, Any]]:
