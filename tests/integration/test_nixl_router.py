@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kv_store.nixl.agent import nixl_available
 from tests.e2e.router_support import complete, metric, openai_client, wait_for
 from tests.integration.test_nixl_services import all_free
 from tests.integration.test_p2p_router import PROMPTS, ROUTER
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
 pytestmark = [
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (make venv does)"),
 ]
 NIXL = ("--connector", "nixl", "--p2p-timeout", "20")
 MAX_TOKENS = 10

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from kv_store.nixl.agent import nixl_available
 from kv_store.nixl.card import parse_transfer_id, transfer_id
 from pdserve_api.v1 import pdserve_pb2 as pb
 from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (make venv does)"),
 ]
 NIXL = ("--connector", "nixl", "--p2p-timeout", "10")
 

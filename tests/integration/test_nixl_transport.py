@@ -13,12 +13,10 @@ from typing import Any
 
 import pytest
 
-from kv_store.nixl.agent import nixl_available
 from tests.integration.p2p_support import LAYOUT, Worker, wait_for
 
 pytestmark = [
     pytest.mark.timeout(240),
-    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (make venv does)"),
 ]
 NIXL = {"connector": "nixl", "token": "s3cret"}
 SRC, DST = [1, 3, 5, 7, 9, 11, 13], [30, 2, 4, 6, 8, 10, 0]

@@ -9,13 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kv_store.nixl.agent import nixl_available
 from pdserve.procs import free_ports
 from tests.integration.up_support import READY_TIMEOUT_S, SMALL, UpProcess
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (make venv does)"),
 ]
 
 
