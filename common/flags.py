@@ -39,6 +39,15 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no), got {text!r}")
 
 
+def on_off(text: str) -> bool:
+    """argparse type of a boolean flag that takes a value (``--x on|off``), for an engine
+    setting whose default may be either: a switch could only turn it on."""
+    try:
+        return parse_bool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_env_argument(
     parser: argparse.ArgumentParser | Any,
     flag: str,

@@ -27,6 +27,7 @@ from common.flags import (
     fraction,
     memory_size,
     non_negative_int,
+    on_off,
     optional_int,
     positive_int,
 )
@@ -158,6 +159,14 @@ class EngineArgs(ArgsModel):
         "deterministic", switch=True, forward=True, helm="engine.deterministic"
     )
     speculative: str | None = engine_setting("speculative", type=optional_text)
+    # Kernel paths still being measured per GPU kind (docs/gpu.md "CUDA graphs"): a value
+    # flag (on|off), so a run can turn either way whatever the engine's default is.
+    mixed_cuda_graphs: bool | None = engine_setting(
+        "mixed_cuda_graphs", UNSET, type=on_off, forward=True
+    )
+    fp8_fused_quant: bool | None = engine_setting(
+        "fp8_fused_quant", UNSET, type=on_off, forward=True
+    )
     tensor_parallel_size: int = engine_setting(
         "tensor_parallel_size", type=positive_int, forward=True, helm="engine.tensorParallelSize"
     )

@@ -8,6 +8,8 @@
 # Then, on the GPU machine (from the repository root):
 #   step setup   (carry out/pd_two_gpu_carry .carry/tokenizer): install our wheels into /tmp/site
 #   step pd MODE PRECISION [PART]  (carry .carry/vllm/pK): stash part K, run pdserve online
+#        (PD_ARGS: extra `pdserve up` flags, e.g. "--mixed-cuda-graphs=on"; PD_LABEL: a suffix
+#        for the result's name, so such a run does not overwrite the default one)
 #   step stash K (carry .carry/vllm/pK): stash part K only
 #   step vllm PRECISION: unpack vLLM once, run vllm online
 # Each run writes $OUT/online_<label>.json (copied here into benchmarks/results/peers/online/).
@@ -31,10 +33,13 @@ case "$step" in
     ;;
   pd)
     mode=${2:?mode}; precision=${3:?precision}; stash "${4:-}"
+    label=$mode-$precision${PD_LABEL:+-$PD_LABEL}
+    extra=()
+    for a in ${PD_ARGS:-}; do extra+=("--server-arg=$a"); done
     PYTHONPATH=$SITE:$PWD timeout ${PD_TIMEOUT:-540} python3 -m benchmarks.peers.online --server pdserve --mode "$mode" \
       --precision "$precision" --rates "$RATES" --num-prompts "$PROMPTS" --tokenizer "$(tok)" \
-      --workdir "$STATE/work" --log "$OUT/pdserve-$mode-$precision.log" \
-      --json "$OUT/online_pdserve-$mode-$precision.json" 2>&1 | grep -v "^pdserve bench\|INFO" | tail -30
+      --workdir "$STATE/work" --log "$OUT/pdserve-$label.log" "${extra[@]}" \
+      --json "$OUT/online_pdserve-$label.json" 2>&1 | grep -v "^pdserve bench\|INFO" | tail -30
     ;;
   stash)
     stash "${2:?part}"
