@@ -137,7 +137,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def label(args: argparse.Namespace) -> str:
     name = "vllm" if args.server == "vllm" else f"pdserve-{args.mode}"
-    return f"{name}-{args.precision}"
+    variant = f"-{args.variant}" if args.variant else ""
+    return f"{name}{variant}-{args.precision}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -204,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-timeout", type=float, default=420)
     p.add_argument("--server-pythonpath", help="PYTHONPATH for the server process only")
     p.add_argument("--server-arg", action="append", default=[], help="extra pdserve up flag")
+    p.add_argument("--variant", default="", help="a name for this run's settings, in its label")
     p.add_argument("--workdir")
     p.add_argument("--log")
     p.add_argument("--json", required=True)

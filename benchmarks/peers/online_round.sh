@@ -39,6 +39,7 @@ case "$step" in
     PYTHONPATH=$SITE:$PWD timeout ${PD_TIMEOUT:-540} python3 -m benchmarks.peers.online --server pdserve --mode "$mode" \
       --precision "$precision" --rates "$RATES" --num-prompts "$PROMPTS" --tokenizer "$(tok)" \
       --workdir "$STATE/work" --log "$OUT/pdserve-$label.log" "${extra[@]}" \
+      --variant "${PD_LABEL:-}" \
       --json "$OUT/online_pdserve-$label.json" 2>&1 | grep -v "^pdserve bench\|INFO" | tail -30
     ;;
   stash)

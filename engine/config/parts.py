@@ -168,9 +168,9 @@ class KernelSettings:
     # Steps that carry prefill chunks replay full graphs over padded token counts up to
     # ``mixed_graph_max_tokens`` (0 = eager) when ``cuda_graphs`` is on and the attention
     # backend is Triton (engine/executor/mixed_graphs.py; docs/design.md §3 "CUDA graphs").
-    # Off until tests/gpu/test_mixed_graphs_gpu.py has passed on a GPU: proven on the CPU
-    # (the bookkeeping, the Triton interpreter) only.
-    mixed_cuda_graphs: bool = knob(False, help="CUDA graphs for steps with prefill chunks")
+    # On since tests/gpu/test_mixed_graphs_gpu.py passed on an H100 80GB (2026-12-06) and
+    # the online rows improved (benchmarks/peers/README.md "Online").
+    mixed_cuda_graphs: bool = knob(True, help="CUDA graphs for steps with prefill chunks")
     mixed_graph_max_tokens: int = knob(2048, unit="tokens", help="largest mixed-step graph")
     # FP8 models on CUDA with the Triton layer ops: quantize each projection's input inside
     # the RMSNorm / SiLU·mul kernel that makes it (engine/models/triton_fp8_fused.py; the
