@@ -8,6 +8,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,9 +50,20 @@ def prefill_flops(nums: dict[str, float], n: int) -> float:
     )
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def token_range(vocab: int) -> tuple[int, int]:
+    """``[lo, hi)`` of a benchmark's random token ids: 1000 to 120000 (what the Llama-3 rows
+    were measured with), clipped to the model's vocabulary. Mixtral's has 32,000 ids: past
+    it the embedding's gather reads out of bounds, a device-side assert on the GPU."""
+    hi = min(120_000, vocab)
+    return min(1000, hi // 2), hi
+
+
+def prompts(n: int, length: int, seed: int, vocab: int = 120_000) -> list[list[int]]:
+    """``n`` random prompts in ``token_range(vocab)`` (pass the model's ``vocab_size``;
+    the default is for the Llama-3 configs, whose vocabularies are larger)."""
+    lo, hi = token_range(vocab)
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
 def make_engine(model: str, backend: str, graphs: bool, opts: str = "") -> Any:
@@ -118,13 +130,28 @@ def run_batch(engine: Any, batch: list[list[int]], max_tokens: int, tag: str) ->
     }
 
 
+def fit_context(engine: Any, bs: int, ctx: int) -> int:
+    """The longest context up to ``ctx`` for which ``bs`` requests have distinct KV blocks
+    in the engine's pool (block 0 is never handed out); 0 if not even one block each."""
+    runner = engine.runner
+    per = min(-(-ctx // runner.block_size), (runner.num_blocks - 1) // bs)
+    return min(ctx, per * runner.block_size)
+
+
 def decode_step_inputs(engine: Any, bs: int, ctx: int) -> tuple[Any, Any, Any]:
-    """Inputs of one decode step: ``bs`` requests of ``ctx`` tokens on random blocks."""
+    """Inputs of one decode step: ``bs`` requests of ``ctx`` tokens on distinct random
+    blocks, with token ids inside the model's vocabulary (``token_range``)."""
     from engine.attention.base import AttentionMetadata
 
     runner = engine.runner
     blk, dev = runner.block_size, runner.device
     per = -(-ctx // blk)
+    if fit_context(engine, bs, ctx) < ctx:
+        raise ValueError(
+            f"{bs} requests of {ctx} tokens need {bs * per} KV blocks; the pool has "
+            f"{runner.num_blocks - 1} (the longest context that fits at this batch: "
+            f"{fit_context(engine, bs, ctx)} tokens)"
+        )
     ids = (torch.randperm(runner.num_blocks - 1, device=dev)[: bs * per] + 1).view(bs, per)
     last = ctx - 1
     meta = AttentionMetadata(
@@ -137,13 +164,28 @@ def decode_step_inputs(engine: Any, bs: int, ctx: int) -> tuple[Any, Any, Any]:
         query_start_loc_cpu=list(range(bs + 1)),
         seq_lens_cpu=[ctx] * bs,
     )
-    tokens = torch.randint(1000, 100000, (bs,), device=dev)
+    tokens = torch.randint(*token_range(engine.args.vocab_size), (bs,), device=dev)
     pos = torch.full((bs,), last, device=dev)
     return tokens, pos, meta
 
 
+def decode_step(engine: Any, bs: int, ctx: int) -> Callable[[], Any]:
+    """One decode step (``bs`` requests, ``ctx`` tokens each) as a callable: the captured
+    graph's replay when the engine has decode graphs, else the model run eagerly (the CPU)."""
+    tokens, pos, meta = decode_step_inputs(engine, bs, ctx)
+    runner = engine.runner
+    if runner.graphs is not None:
+        graphs = runner.graphs
+        return lambda: graphs.run(tokens, pos, meta)
+    model = runner.model
+
+    def eager() -> Any:
+        with torch.inference_mode():
+            return model.compute_logits(model(tokens, pos, runner.kv_cache, meta))
+
+    return eager
+
+
 def gpu_step_ms(engine: Any, bs: int, ctx: int) -> float:
     """GPU time of one graphed decode step (``bs`` requests, ``ctx`` tokens each), no host work."""
-    tokens, pos, meta = decode_step_inputs(engine, bs, ctx)
-    graphs = engine.runner.graphs
-    return bench_ms(lambda: graphs.run(tokens, pos, meta), engine.runner.device, rep_ms=300)
+    return bench_ms(decode_step(engine, bs, ctx), engine.runner.device, rep_ms=300)

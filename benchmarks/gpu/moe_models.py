@@ -13,6 +13,7 @@ active experts of every layer, lm_head, the context's KV) at the measured copy b
 (target: ``vs_roofline`` <= 1.25); ``b64``: the same step at batch 64 (with the expected
 number of distinct experts per layer, ``E * (1 - (1 - k/E)**64)``, in the roofline);
 ``1k1k``: offline throughput of 64 prompts of 1024 tokens with 1024 new tokens each.
+Token ids are drawn inside each model's vocabulary (Mixtral's is 32,000 ids).
 Engine construction and the step helpers are benchmarks/gpu/gpu_bench_engine.py's.
 """
 
@@ -26,7 +27,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu.gpu_bench_engine import gpu_step_ms, make_engine, prompts, run_batch
+from benchmarks.gpu.gpu_bench_engine import (
+    fit_context,
+    gpu_step_ms,
+    make_engine,
+    prompts,
+    run_batch,
+)
 from benchmarks.gpu.moe_layer import copy_bandwidth
 from benchmarks.record import CONFIGS
 
@@ -37,6 +44,9 @@ MODELS = (
     ("gpt-oss-20b", ""),
     ("mixtral-8x7b", ""),
 )
+# The decode-step rows: (batch, context); a context the KV pool cannot hold is shortened
+# to what fits (said in the output and recorded as the row's ``ctx``).
+STEPS = ((1, 512), (64, 1024))
 # What a model needs beyond its weights: a KV pool worth benchmarking, activations, the
 # CUDA context and the decode graphs.
 HEADROOM_BYTES = 8 << 30
@@ -100,14 +110,21 @@ def bench(
         "weights_gb": round(weights / 1e9, 2),
         "engine_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
     }  # fmt: skip
-    for bs, ctx in ((1, 512), (64, 1024)):
+    for bs, want in STEPS:
+        ctx = fit_context(engine, bs, want)
+        if ctx < want:  # the KV pool left beside the weights is smaller than the row asks
+            print(f"{name}: b{bs} at {ctx}-token context: {want} x {bs} does not fit the "
+                  f"KV pool ({engine.runner.num_blocks - 1} blocks)", flush=True)  # fmt: skip
+        if ctx == 0:
+            continue
         ms = gpu_step_ms(engine, bs, ctx)
         roof = step_bytes(name, fp8, bs, ctx) / bandwidth * 1e3
-        row[f"b{bs}"] = {"step_ms": round(ms, 3), "roofline_ms": round(roof, 3),
+        row[f"b{bs}"] = {"ctx": ctx, "step_ms": round(ms, 3), "roofline_ms": round(roof, 3),
                          "vs_roofline": round(ms / roof, 3)}  # fmt: skip
         print(json.dumps(row), flush=True)
     t0 = time.perf_counter()
-    out = run_batch(engine, prompts(n_prompts, 1024, 1), new_tokens, "1k1k")
+    batch = prompts(n_prompts, 1024, 1, vocab=engine.args.vocab_size)
+    out = run_batch(engine, batch, new_tokens, "1k1k")
     row["1k1k"] = {"prompts": n_prompts, "new_tokens": new_tokens,
                    "tok_s": round(out["out_tokens"] / out["total_s"], 1),
                    "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
