@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.record import recorded_command
+
 # (hidden, moe intermediate, experts, top_k)
 SHAPES = {
     "qwen3_30b_a3b": (2048, 768, 128, 8),
@@ -220,7 +222,10 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.json:
-                    out = {"copy_bandwidth_gbs": bandwidth and bandwidth / 1e9, "rows": rows}
+                    out = {
+                        "command": recorded_command("benchmarks.gpu.moe_layer"), "gpu": gpu,
+                        "copy_bandwidth_gbs": bandwidth and bandwidth / 1e9, "rows": rows,
+                    }  # fmt: skip
                     args.json.write_text(json.dumps(out, indent=1))
             del weights
             if device.type == "cuda":

@@ -35,7 +35,7 @@ from benchmarks.gpu.gpu_bench_engine import (
     run_batch,
 )
 from benchmarks.gpu.moe_layer import copy_bandwidth
-from benchmarks.record import CONFIGS
+from benchmarks.record import CONFIGS, recorded_command
 
 # (config directory, engine opts) in the order they run.
 MODELS = (
@@ -157,7 +157,11 @@ def main() -> None:
         rows.append(bench(name, opts, bandwidth, args.prompts, args.new_tokens))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
-            args.json.write_text(json.dumps({"copy_gbs": bandwidth / 1e9, "rows": rows}, indent=1))
+            out = {
+                "command": recorded_command("benchmarks.gpu.moe_models"),
+                "gpu": torch.cuda.get_device_name(), "copy_gbs": bandwidth / 1e9, "rows": rows,
+            }  # fmt: skip
+            args.json.write_text(json.dumps(out, indent=1))
         torch.cuda.empty_cache()
 
 
