@@ -4,8 +4,9 @@
 # weights, bf16 KV: 512 MiB) between two engine processes on the one GPU, nixl (UCX CUDA
 # IPC) beside p2p (our CUDA IPC copy). Results: $OUT/nixl_handoff_gpu.{json,md} and the
 # test log; copy the json/md to benchmarks/results/kv/ with the card named.
-#   bash benchmarks/gpu/nixl_handoff_gpu.sh [tests|bench|all]   (default all; one device
-#   call of 600 s holds either stage, both when the machine is warm)
+#   bash benchmarks/gpu/nixl_handoff_gpu.sh [tests|bench|all]   (default all; each stage
+#   ends within 5 min (tests) or 7 min (bench) of its start, so one device call holds either;
+#   the bench writes its json/md after each connector, so p2p's row survives a nixl stall)
 set -uo pipefail
 stage=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,6 +24,6 @@ timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 240 \
 echo "test_nixl_gpu rc=$? $(tail -1 "$out/test_nixl_gpu.log")"
 fi
 [ "$stage" = tests ] && exit 0
-timeout 540 python3 -m benchmarks.kv.p2p_handoff_gpu --connectors p2p,nixl \
+timeout 420 python3 -m benchmarks.kv.p2p_handoff_gpu --connectors p2p,nixl \
   --prompt-len 4096 --repeats 5 --json "$out/nixl_handoff_gpu.json" --md "$out/nixl_handoff_gpu.md"
 echo "bench rc=$?"

@@ -205,10 +205,16 @@ def main() -> None:
     # The spawned producer reads these too.
     os.environ["P2P_BENCH_CONFIG"], os.environ["P2P_BENCH_DEVICE"] = args.config, args.device
     os.environ["P2P_BENCH_KV_DTYPE"] = args.kv_cache_dtype
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.connectors.split(","):
             results.append(run(name, args, workdir))
+            # Written after each connector: a later one that hangs past the caller's
+            # deadline (one GPU call) still leaves the earlier rows.
+            _write(args, results)
+
+
+def _write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     head = (
         "| connector | KV MiB | KV load p50 ms | load GB/s | token 2 p50 ms | ITL p50 ms "
         "| added p50 ms | fallbacks |"
@@ -221,7 +227,7 @@ def main() -> None:
             f"{r['fallbacks']}/{len(r['rows'])} |"
         )
     table = "\n".join(lines)
-    print(table)
+    print(table, flush=True)
     if args.md:
         Path(args.md).write_text(table + "\n")
     if args.json:
