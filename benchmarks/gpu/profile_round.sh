@@ -11,7 +11,9 @@
 # `all [K]` stashes part K, then runs the four profiles within ROUND_S seconds (default 470):
 # a profile that cannot finish in what is left is skipped, saying which step runs it in a
 # following call (`pd PRECISION|both`, `vllm PRECISION|both`). Every result stays in
-# /tmp/pdserve-profile as well, so the tables pair runs made by different calls.
+# /tmp/pdserve-profile as well, so the tables pair runs made by different calls. With more
+# slack per call: `pd both 1` (carry p1: stash it, then ours), `stash 2` .. `stash 4`,
+# `vllm both 5` (carry p5: stash it, unpack, then vLLM's).
 # Output under $OUT/profile/: <engine>_<precision>.{json,md,log}, compare.md.
 # NUM_PROMPTS (default 300: the first 300 requests of the mixed set, ~60 s of profile per
 # engine), PD_ARGS (extra profile_mixed.py flags for ours, e.g. "--graphs off") and
@@ -69,11 +71,16 @@ compare() {
   python3 -m benchmarks.peers.profile_compare --dir "$STATE" --md "$OUTDIR/compare.md" 2>&1 | tail -60
 }
 
-step=${1:?step: stash K | pd [PRECISION|both] | vllm [PRECISION|both] | all [K] | compare}
+step=${1:?step: stash K | pd [PRECISION|both] [K] | vllm [PRECISION|both] [K] | all [K] | compare}
 case "$step" in
   stash) stash "${2:?part}" ;;
-  pd) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; run_pd "${2:-both}"; compare ;;
-  vllm) run_vllm "${2:-both}"; compare ;;
+  pd)
+    [ -n "${3:-}" ] && stash "$3"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    run_pd "${2:-both}"
+    compare
+    ;;
+  vllm) [ -n "${3:-}" ] && stash "$3"; run_vllm "${2:-both}"; compare ;;
   all)
     [ -n "${2:-}" ] && stash "$2"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

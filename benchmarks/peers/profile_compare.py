@@ -62,6 +62,10 @@ def table(a: dict[str, Any], b: dict[str, Any]) -> str:
     """The markdown side-by-side table of two runs, and what loses most."""
     la, lb = _label(a), _label(b)
     lines = [f"### {la} vs {lb}", ""]
+    for tag, run in (("A", a), ("B", b)):
+        where = run.get("gpu", run.get("device", "?"))
+        lines.append(f"{tag}: `{run.get('command', '?')}` ({where}, {run.get('started', '?')})  ")
+    lines.append("")
     if a["out_tokens"] != b["out_tokens"]:
         lines += [f"Note: the runs made {a['out_tokens']} and {b['out_tokens']} tokens.", ""]
     lines += [f"| per output token | {la} | {lb} | A / B | A - B |", "|---|---:|---:|---:|---:|"]

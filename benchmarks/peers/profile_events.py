@@ -95,8 +95,9 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 @dataclass(slots=True, frozen=True)
 class Event:
     """One device interval (a kernel, memcpy or memset; on the CPU an aten op), or with
-    ``kind="runtime"`` one host-side launch call. ``correlation`` ties a kernel to the
-    runtime call that launched it (0 when unknown)."""
+    ``kind="runtime"`` one host-side launch call. ``correlation`` (CUPTI's id) and ``flow``
+    (the profiler's launch-to-kernel link) each tie a kernel to the runtime call that
+    launched it (0 when unknown)."""
 
     name: str
     start_ns: int
@@ -104,6 +105,7 @@ class Event:
     kind: str = "kernel"  # kernel | memcpy | memset | cpu_op | runtime
     correlation: int = 0
     thread: int = 0
+    flow: int = 0
 
     @property
     def dur_ns(self) -> int:
@@ -158,9 +160,7 @@ def self_time_ops(ops: Sequence[Event]) -> list[Event]:
         for op, inner in zip(ordered, child_ns, strict=True):
             self_ns = max(0, op.dur_ns - inner)
             out.append(
-                Event(
-                    op.name, op.start_ns, op.start_ns + self_ns, op.kind, op.correlation, op.thread
-                )
+                Event(op.name, op.start_ns, op.start_ns + self_ns, op.kind, thread=op.thread)
             )
     return out
 
@@ -180,12 +180,14 @@ def _gap_histogram(gaps: list[int], edge_idle_ns: int) -> dict[str, float]:
 
 def _launches(events: Sequence[Event], device: list[Event]) -> dict[str, Any]:
     runtime = [e for e in events if e.kind == "runtime"]
-    graph_ids = {e.correlation for e in runtime if "graphlaunch" in e.name.lower()}
-    in_graph = [e for e in device if e.correlation and e.correlation in graph_ids]
+    graphs = [e for e in runtime if "graphlaunch" in e.name.lower()]
+    corr_ids = {e.correlation for e in graphs if e.correlation}
+    flow_ids = {e.flow for e in graphs if e.flow}
+    in_graph = [e for e in device if e.correlation in corr_ids or e.flow in flow_ids]
     launch_calls = sum("launchkernel" in e.name.lower() for e in runtime)
     device_ns = sum(e.dur_ns for e in device) or 1
     return {
-        "graph_launches": sum("graphlaunch" in e.name.lower() for e in runtime),
+        "graph_launches": len(graphs),
         "kernel_launch_calls": launch_calls,
         "kernels_in_graphs": len(in_graph),
         "kernel_time_in_graphs_share": round(sum(e.dur_ns for e in in_graph) / device_ns, 4),
@@ -213,6 +215,53 @@ def _per_name(device: list[Event], top: int, total_ns: int) -> list[dict[str, An
     ]
 
 
+# Device records further than this outside the profiled window are dropped: CUPTI can hand
+# back kernel records whose timestamps are in another clock domain (off by hours), and one
+# such record would swell the busy union. The margin covers any offset between the
+# profiler's clock and the wall clock the window is read from.
+WINDOW_MARGIN_NS = 1_000_000_000
+
+
+def _device_intervals(
+    events: Sequence[Event], window_ns: tuple[int, int] | None
+) -> tuple[list[Event], int, list[int], int]:
+    """(the events standing for device work, their busy union, its gaps, how many were
+    dropped as outside the window): kernels, memcpys and memsets, or on a CPU profile the
+    ops with their self times (the union over the whole ops)."""
+    device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
+    spans = device
+    if not device:  # a CPU profile: ops stand in for kernels, each with its self time
+        spans = [e for e in events if e.kind == "cpu_op"]
+        device = self_time_ops(spans)
+    dropped = 0
+    if window_ns is not None:
+        lo, hi = window_ns[0] - WINDOW_MARGIN_NS, window_ns[1] + WINDOW_MARGIN_NS
+        inside = [e for e in spans if e.end_ns > lo and e.start_ns < hi]
+        dropped = len(spans) - len(inside)
+        spans, device = inside, [e for e in device if e.end_ns > lo and e.start_ns < hi]
+    busy_ns, gaps = union_ns((e.start_ns, e.end_ns) for e in spans)
+    return device, busy_ns, gaps, dropped
+
+
+def _window_notes(
+    device: list[Event], window_ns: tuple[int, int], wall_ns: int, busy_ns: int, dropped: int
+) -> tuple[int, list[str]]:
+    """(idle ns at the window's edges, notes on what looks wrong in the recording)."""
+    notes = []
+    first = min(e.start_ns for e in device)
+    last = max(e.end_ns for e in device)
+    if window_ns[1] - last > 0.05 * wall_ns + 200_000_000:
+        notes.append(
+            f"the last device event ends {(window_ns[1] - last) / 1e9:.2f} s before the "
+            "window does: the recording may be cut short (fewer --num-prompts)"
+        )
+    if dropped:
+        notes.append(f"{dropped} device records outside the profiled window were dropped")
+    if busy_ns > 1.02 * wall_ns:
+        notes.append("device busy time exceeds the wall time: the timestamps look wrong")
+    return max(0, first - window_ns[0]) + max(0, window_ns[1] - last), notes
+
+
 def summarize(
     events: Sequence[Event],
     wall_s: float,
@@ -223,24 +272,12 @@ def summarize(
     """The profile's measures (module docstring). ``window_ns``: the profiled window on
     the events' clock, for the idle time at its edges and a check that the recording
     covers it; without it the wall time alone bounds the idle time."""
-    device = [e for e in events if e.kind in ("kernel", "memcpy", "memset")]
-    busy_ns, gaps = union_ns((e.start_ns, e.end_ns) for e in device)
-    if not device:  # a CPU profile: ops stand in for kernels, each with its self time
-        ops = [e for e in events if e.kind == "cpu_op"]
-        busy_ns, gaps = union_ns((e.start_ns, e.end_ns) for e in ops)
-        device = self_time_ops(ops)
+    device, busy_ns, gaps, dropped = _device_intervals(events, window_ns)
     wall_ns = int(wall_s * 1e9)
     idle_ns = max(0, wall_ns - busy_ns)
     notes: list[str] = []
     if device and window_ns is not None:
-        first = min(e.start_ns for e in device)
-        last = max(e.end_ns for e in device)
-        if window_ns[1] - last > 0.05 * wall_ns + 200_000_000:
-            notes.append(
-                f"the last device event ends {(window_ns[1] - last) / 1e9:.2f} s before the "
-                "window does: the recording may be cut short (fewer --num-prompts)"
-            )
-        edges = max(0, first - window_ns[0]) + max(0, window_ns[1] - last)
+        edges, notes = _window_notes(device, window_ns, wall_ns, busy_ns, dropped)
     else:
         edges = max(0, idle_ns - sum(gaps))
     total_ns = sum(e.dur_ns for e in device)
@@ -269,6 +306,7 @@ def summarize(
         "busy_us_per_out_token": round(busy_ns / per_tok, 3),
         "idle_by_gap_s": _gap_histogram(gaps, edges),
         "device_events": len(device),
+        "device_events_dropped": dropped,
         "kernels_per_out_token": round(len(device) / max(out_tokens, 1), 2),
         "launches": launches,
         "categories": {

@@ -86,6 +86,7 @@ def collect_events(prof: Any) -> list[Event]:
                 kind=kind,
                 correlation=evt.correlation_id(),
                 thread=evt.start_thread_id(),
+                flow=evt.flow_id() if hasattr(evt, "flow_id") else 0,
             )
         )
     return out

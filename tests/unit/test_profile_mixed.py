@@ -131,6 +131,18 @@ def test_summary_busy_idle_categories_and_graph_attribution() -> None:
     assert s["notes"] == []
 
 
+def test_summary_drops_records_far_outside_the_window() -> None:
+    """CUPTI can return kernel records on another clock (off by hours); one of them must
+    not swell the busy union past the wall time."""
+    events = _cuda_run(wall_ms=20, gemm_ms=4, graph=True)
+    events.append(Event("_paged_attn_kernel", 10**14, 10**14 + 5 * MS, correlation=7))
+    base = 1_000 * MS
+    s = summarize(events, wall_s=0.020, out_tokens=10, window_ns=(base, base + 20 * MS))
+    assert s["device_busy_s"] == pytest.approx(0.0065)
+    assert s["device_events_dropped"] == 1 and s["device_events"] == 3
+    assert s["notes"] == ["1 device records outside the profiled window were dropped"]
+
+
 def test_summary_flags_graph_kernels_it_cannot_see_and_a_short_recording() -> None:
     base = 1_000 * MS
     events = [
@@ -140,6 +152,13 @@ def test_summary_flags_graph_kernels_it_cannot_see_and_a_short_recording() -> No
     s = summarize(events, wall_s=2.0, out_tokens=1, window_ns=(base, base + 2_000 * MS))
     assert any("no kernel is attributed to a graph launch" in n for n in s["notes"])
     assert any("cut short" in n for n in s["notes"])
+    # The profiler's flow id links the launch and its kernels where CUPTI's ids differ.
+    events = [
+        Event("cudaGraphLaunch", base, base + 10_000, kind="runtime", correlation=9, flow=4),
+        Event("_rms_norm_kernel", base + MS, base + 2 * MS, correlation=3, flow=4),
+    ]
+    s = summarize(events, wall_s=0.002, out_tokens=1, window_ns=(base, base + 2 * MS))
+    assert s["launches"]["kernels_in_graphs"] == 1 and s["notes"] == []
 
 
 def test_cpu_ops_count_their_self_time_and_the_union_of_outer_ops() -> None:
