@@ -227,7 +227,12 @@ def create_app(
     deps = Deps(
         settings,
         processor,
-        Orchestrator(leg, settings.mode, decode_first=settings.decode_first),
+        Orchestrator(
+            leg,
+            settings.mode,
+            decode_first=settings.decode_first,
+            max_local_prefill_tokens=settings.max_local_prefill_tokens,
+        ),
         metrics,
         asyncio.Semaphore(settings.preprocess_concurrency),
         tracing=make_tracing(settings.otlp_traces_endpoint, "pdserve-router"),

@@ -165,6 +165,16 @@ class RouterArgs(ArgsModel):
         helm="router.decodeFirst",
         forward=True,
     )
+    max_local_prefill_tokens: int = setting(
+        256,
+        type=non_negative_int,
+        unit="tokens",
+        help="with --decode-first full: a decode instance whose KV events show it holds a "
+        "prefix of the prompt computes the rest itself, without a prefill, when at most this "
+        "many tokens are missing (conditional disaggregation); 0: only whole prompts",
+        helm="router.maxLocalPrefillTokens",
+        forward=True,
+    )
     api_key: str = setting(
         "",
         repr=False,

@@ -69,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         decode_first=args.decode_first == "full",
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
     )
 
 

@@ -134,6 +134,13 @@ class RouterMetrics:
         self.disagg_decisions = Counter(
             "pdserve_disagg_decisions", "Prefill placement per request", ["decision"], registry=r
         )
+        self.prompt_tokens_computed = Counter(
+            "pdserve_prompt_tokens_computed",
+            "Prompt tokens computed (not served from a cache), by where: remote (a prefill "
+            "instance) or local (a decode instance: colocated, decode-first, local suffix)",
+            ["path"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
             "pdserve_prefill_retries", "Prefill calls retried on another instance", registry=r
         )
@@ -183,10 +190,12 @@ class RouterMetrics:
         self._add_kv_index_metrics(r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        for decision in ("remote_prefill", "local_prefill", "decode_first"):
+        for decision in ("remote_prefill", "local_prefill", "decode_first", "local_suffix"):
             self.disagg_decisions.labels(decision)
         for reason in FALLBACK_REASONS:
             self.pool_fallbacks.labels(reason)
+        for path in ("local", "remote"):
+            self.prompt_tokens_computed.labels(path)
         for reason in KV_FALLBACK_REASONS:
             self.kv_load_fallbacks.labels(reason)
 

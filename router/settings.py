@@ -42,6 +42,7 @@ class RouterSettings:
     otlp_traces_endpoint: str = ""  # "" = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing
     allow_runtime_lora_updating: bool = False  # router/openai/lora_admin.py
     decode_first: bool = True  # router/legs/placement.py
+    max_local_prefill_tokens: int = 256  # router/legs/placement.py (0: no local suffix)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -56,6 +57,8 @@ class RouterSettings:
             parser_class(self.tool_call_parser)  # ValueError naming the parsers
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError("max_local_prefill_tokens must be >= 0")
         if min(self.max_chat_messages, self.max_connections, self.preprocess_concurrency) < 1:
             raise ValueError(
                 "max_chat_messages, max_connections and preprocess_concurrency must be >= 1"

@@ -270,6 +270,11 @@ def _start_router_once(
 ) -> ServiceProcess:
     (port,) = free_ports(1)
     name = f"router-{port}"
+    if not any(arg.startswith("--max-local-prefill-tokens") for arg in extra_args):
+        # Tests of the remote path send prompts that share a prefix with earlier ones;
+        # the router's default would let the decode compute their short rest itself. A
+        # test of that path (tests/e2e/test_router_local_suffix.py) passes its own value.
+        extra_args = [*extra_args, "--max-local-prefill-tokens", "0"]
     argv = [
         sys.executable,
         "-m",

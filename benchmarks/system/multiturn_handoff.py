@@ -1,15 +1,19 @@
-"""Delta handoffs on a multi-turn chat (issue 38, docs/design.md §3 "Delta handoffs"): what
-each turn's KV handoff moves when the decode instance already holds the conversation so
-far, beside the full-transfer baseline (the same decode with its prefix cache off, so
-every turn moves the whole prompt).
+"""Delta handoffs and local suffixes on a multi-turn chat (issue 38, docs/design.md §3 "Delta
+handoffs", §5 "Local suffix"): what each turn's KV handoff moves when the decode instance
+already holds the conversation so far, beside the full-transfer baseline (the same decode
+with its prefix cache off, so every turn moves the whole prompt), and what changes when
+the router lets that decode compute a short missing suffix itself (``local``: no prefill,
+no transfer, ``--max-local-prefill-tokens``). ``full`` and ``delta`` run with the threshold
+at 0 (every turn through the prefill).
 
 For each mode it starts a prefill service, a decode service and a router (real processes,
 ``--connector fs`` or ``p2p``), then plays conversations of ``--turns`` turns through the
 ``openai`` client (chat API, greedy, ``pdserve_timings``): each turn resends the whole
 conversation plus a new user message. Per turn it records the prompt's tokens, the tokens
 new since the previous turn, the handoff (``kv_*`` of ``usage.pdserve_timings``: blocks
-moved, found on the decode, bytes) and TTFT, and checks the issue's bound: bytes moved <=
-the new tokens' KV plus one block (plus the fs records' 64-byte headers).
+moved, found on the decode, bytes), where the prompt was computed (``prefill_path``,
+``prompt_tokens_computed``) and TTFT, and checks the issue's bound: bytes moved <= the new
+tokens' KV plus one block (plus the fs records' 64-byte headers).
 
     python -m benchmarks.system.multiturn_handoff            # the committed CPU run
 
@@ -58,10 +62,14 @@ def _wait_http(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} not healthy within {timeout_s} s")
 
 
+MODES = ("full", "delta", "local")
+
+
 @contextmanager
-def stack(args: argparse.Namespace, full: bool, logs: Path) -> Iterator[str]:
+def stack(args: argparse.Namespace, mode: str, logs: Path) -> Iterator[str]:
     """Prefill + decode + router; yields the router's base URL. ``full``: the decode's
-    prefix cache is off (every turn's handoff moves the whole prompt)."""
+    prefix cache is off (every turn's handoff moves the whole prompt); ``local``: the
+    router's ``--max-local-prefill-tokens`` is ``args.max_local_prefill_tokens``, else 0."""
     p_port, p_metrics, d_port, d_metrics, r_port = free_ports(5)
     engine = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory]
     engine += ["--torch-threads", "1", "--max-num-seqs", "4", *args.connector_flags.split()]
@@ -70,13 +78,15 @@ def stack(args: argparse.Namespace, full: bool, logs: Path) -> Iterator[str]:
         for role, port, metrics in (("prefill", p_port, p_metrics), ("decode", d_port, d_metrics)):
             argv = [sys.executable, "-m", "pdserve", role, "--host", "127.0.0.1"]
             argv += ["--port", str(port), "--metrics-port", str(metrics), *engine]
-            if role == "decode" and full:
+            if role == "decode" and mode == "full":
                 argv.append("--no-prefix-caching")
             procs.append(_spawn(argv, logs / f"{role}.log"))
         argv = [sys.executable, "-m", "pdserve", "router", "--host", "127.0.0.1"]
         argv += ["--port", str(r_port), "--model", args.model, "--served-model-name", "m"]
         argv += ["--mode", "disaggregated", "--prefill-urls", f"127.0.0.1:{p_port}"]
         argv += ["--decode-urls", f"127.0.0.1:{d_port}", "--health-interval", "0.5"]
+        local = args.max_local_prefill_tokens if mode == "local" else 0
+        argv += ["--max-local-prefill-tokens", str(local)]
         procs.append(_spawn(argv, logs / "router.log"))
         _wait_http(f"http://127.0.0.1:{r_port}/health", args.startup_timeout)
         yield f"http://127.0.0.1:{r_port}"
@@ -111,6 +121,7 @@ def conversation(base: str, index: int, turns: int, max_tokens: int) -> list[dic
         messages.append({"role": "assistant", "content": out.choices[0].message.content or ""})
         usage = out.usage.model_extra if out.usage is not None else {}
         prompt = out.usage.prompt_tokens if out.usage is not None else 0
+        timings = usage["pdserve_timings"]
         rows.append(
             {
                 "conversation": index,
@@ -121,6 +132,8 @@ def conversation(base: str, index: int, turns: int, max_tokens: int) -> list[dic
                 "blocks_moved": usage["pdserve_timings"].get("kv_blocks_loaded", 0),
                 "blocks_on_decode": usage["pdserve_timings"].get("kv_blocks_on_decode", 0),
                 "bytes": usage["pdserve_timings"].get("kv_bytes_loaded", 0),
+                "prefill_path": timings.get("prefill_path", ""),
+                "tokens_computed": timings.get("prompt_tokens_computed", prompt),
             }
         )
         previous = prompt
@@ -166,10 +179,10 @@ def _warm_up(base: str, timeout_s: float = 120.0) -> None:
     raise RuntimeError("no request went through a prefill instance")
 
 
-def run_mode(args: argparse.Namespace, full: bool, logs: Path) -> list[dict[str, Any]]:
+def run_mode(args: argparse.Namespace, mode: str, logs: Path) -> list[dict[str, Any]]:
     logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    with stack(args, full, logs) as base:
+    with stack(args, mode, logs) as base:
         _warm_up(base)
         for c in range(args.conversations):
             rows += conversation(base, c, args.turns, args.max_tokens)
@@ -189,6 +202,8 @@ def per_turn(rows: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
                 "blocks_on_decode": statistics.mean(r["blocks_on_decode"] for r in mine),
                 "bytes": statistics.mean(r["bytes"] for r in mine),
                 "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in mine),
+                "local_share": statistics.mean(r["prefill_path"] == "local" for r in mine),
+                "tokens_computed": statistics.mean(r["tokens_computed"] for r in mine),
             }
         )
     return out
@@ -196,7 +211,7 @@ def per_turn(rows: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
 
 def markdown(doc: dict[str, Any]) -> str:
     lines = [
-        "# Delta handoffs on a multi-turn chat (CPU)",
+        "# Delta handoffs and local suffixes on a multi-turn chat (CPU)",
         "",
         f"`{doc['command']}`",
         "",
@@ -205,20 +220,26 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['kv_bytes_per_token']} B/token. Bound (bytes moved <= new tokens' KV + one "
         f"block) held on {doc['bound_ok']} of {doc['turns_total']} delta turns (turns 1..).",
         "",
-        f"Turns 1..{doc['turns'] - 1}: mean bytes moved per turn {doc['delta_mean_kib']:.0f} KiB "
-        f"(delta) vs {doc['full_mean_kib']:.0f} KiB (full); median TTFT "
-        f"{doc['delta_ttft_ms']:.0f} ms vs {doc['full_ttft_ms']:.0f} ms. Machine load average "
-        f"during the run: {doc['loadavg'][0]:.1f} (a shared 2-core VM).",
+        f"Turns 1..{doc['turns'] - 1}: mean bytes moved per turn {doc['full_mean_kib']:.0f} KiB "
+        f"(full) / {doc['delta_mean_kib']:.0f} KiB (delta) / {doc['local_mean_kib']:.0f} KiB "
+        f"(local, `--max-local-prefill-tokens {doc['max_local_prefill_tokens']}`); median TTFT "
+        f"{doc['full_ttft_ms']:.0f} / {doc['delta_ttft_ms']:.0f} / {doc['local_ttft_ms']:.0f} "
+        f"ms; local: {doc['local_turns']} of {doc['turns_total']} turns computed on the decode "
+        f"without a prefill. Machine load average during the run: {doc['loadavg'][0]:.1f} (a "
+        "shared 2-core VM).",
         "",
-        "| turn | prompt tok | new tok | delta: blocks moved / on decode | delta KiB | "
-        "full KiB | delta TTFT ms | full TTFT ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| turn | prompt tok | new tok | delta: blocks moved / on decode | KiB full / delta / "
+        "local | TTFT ms full / delta / local | local: share on decode, tokens computed |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for d, f in zip(doc["delta_per_turn"], doc["full_per_turn"], strict=True):
+    rows = zip(doc["full_per_turn"], doc["delta_per_turn"], doc["local_per_turn"], strict=True)
+    for f, d, loc in rows:
         lines.append(
             f"| {d['turn']} | {d['prompt_tokens']:.0f} | {d['new_tokens']:.0f} | "
-            f"{d['blocks_moved']:.1f} / {d['blocks_on_decode']:.1f} | {d['bytes'] / 1024:.0f} | "
-            f"{f['bytes'] / 1024:.0f} | {d['ttft_ms']:.0f} | {f['ttft_ms']:.0f} |"
+            f"{d['blocks_moved']:.1f} / {d['blocks_on_decode']:.1f} | "
+            f"{f['bytes'] / 1024:.0f} / {d['bytes'] / 1024:.0f} / {loc['bytes'] / 1024:.0f} | "
+            f"{f['ttft_ms']:.0f} / {d['ttft_ms']:.0f} / {loc['ttft_ms']:.0f} | "
+            f"{loc['local_share']:.1f}, {loc['tokens_computed']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -231,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-local-prefill-tokens", type=int, default=256)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=str(result_path("system", "multiturn_handoff_cpu.json")))
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="multiturn_handoff_"))  # the services' logs
-    delta = run_mode(args, False, logs / "delta")
-    full = run_mode(args, True, logs / "full")
+    runs = {mode: run_mode(args, mode, logs / mode) for mode in MODES}
+    full, delta, local = runs["full"], runs["delta"], runs["local"]
     connector = args.connector_flags.split()[1]
     per_token = kv_bytes_per_token(args.model, connector)
     checked = [r for r in delta if r["turn"] > 0]
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "conversations": args.conversations,
         "turns": args.turns,
         "max_tokens": args.max_tokens,
+        "max_local_prefill_tokens": args.max_local_prefill_tokens,
         "kv_bytes_per_token": per_token,
         "turns_total": len(checked),
         "bound_ok": sum(bound_ok(r, per_token, connector == "fs") for r in checked),
@@ -255,10 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         "full_mean_kib": statistics.mean(r["bytes"] for r in full if r["turn"] > 0) / 1024,
         "delta_ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in checked),
         "full_ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in full if r["turn"] > 0),
+        "local_mean_kib": statistics.mean(r["bytes"] for r in local if r["turn"] > 0) / 1024,
+        "local_ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in local if r["turn"] > 0),
+        "local_turns": sum(r["prefill_path"] == "local" for r in local if r["turn"] > 0),
         "delta_per_turn": per_turn(delta, args.turns),
         "full_per_turn": per_turn(full, args.turns),
+        "local_per_turn": per_turn(local, args.turns),
         "delta": delta,
         "full": full,
+        "local": local,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -7,7 +7,8 @@ others load the same KV and sample their own first token with their own seed.
 ``colocated``: Decode without handle (the decode instance prefills). ``auto``: per request,
 whichever the estimator says reaches token 2 sooner. In ``disaggregated`` and ``auto`` a
 request whose whole prompt a decode instance already holds goes there without a prefill
-(decode-first; ``router/legs/placement.py``).
+(decode-first), and so does one it holds all but a short suffix of (``local_suffix``, at
+most ``--max-local-prefill-tokens`` to compute; ``router/legs/placement.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from router.legs.decode import decode_deltas
 from router.legs.placement import MODES, Placement
 from router.legs.prefill import PrefillFirst, prefill_events
 from router.legs.rpc import LegContext
-from router.legs.trace import Delta, Job, Trace
+from router.legs.trace import LOCAL_DECISIONS, Delta, Job, Trace
 from router.routing.pool import InstancePool
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,17 @@ __all__ = ["MODES", "Orchestrator", "merge_streams"]
 class Orchestrator:
     """Places and runs requests; one per app."""
 
-    def __init__(self, leg: LegContext, mode: str, *, decode_first: bool = True) -> None:
-        self.placement = Placement(leg, mode, decode_first=decode_first)
+    def __init__(
+        self,
+        leg: LegContext,
+        mode: str,
+        *,
+        decode_first: bool = True,
+        max_local_prefill_tokens: int = 256,
+    ) -> None:
+        self.placement = Placement(
+            leg, mode, decode_first=decode_first, max_local_prefill_tokens=max_local_prefill_tokens
+        )
         self.leg = leg
         self.mode = mode
 
@@ -81,7 +91,7 @@ class Orchestrator:
         trace.decision = self.placement.decide(job, trace)
         if trace.spans is not None:
             trace.spans.route(started, trace.decision, trace.placement)
-        if trace.decision in ("local_prefill", "decode_first"):
+        if trace.decision in LOCAL_DECISIONS:
             async for delta in self._local(job, trace):
                 yield delta
             return

@@ -1,9 +1,13 @@
 """Where a request's prompt is computed (docs/design.md §1, §5): remote prefill, local prefill
-on a decode instance, or decode-first.
+on a decode instance, decode-first, or the decode computing a short missing suffix.
 
 - ``disaggregated``: remote prefill, unless a decode instance already holds the whole
   prompt (every full block, in device or host memory, by its live KV events): then the
   request goes to that decode instance without a prefill (``decode_first``); no KV moves.
+  Conditional disaggregation: a decode instance that holds a prefix of the prompt and
+  lacks at most ``max_local_prefill_tokens`` of it computes that suffix itself
+  (``local_suffix``): a remote prefill would compute the whole prompt (unless the prefill
+  holds the prefix too) and move it, to save the decode a short chunk of work.
 - ``colocated``: local prefill, always.
 - ``auto``: decode-first as above; otherwise the estimator (``router/routing/estimator.py``)
   prices local prefill on each healthy decode instance with that instance's real hit
@@ -22,6 +26,7 @@ from router.legs.rpc import LegContext
 from router.legs.trace import Job, Trace
 from router.lora import lora_candidates
 from router.routing.estimator import Estimate, SideLoad
+from router.routing.kv_index import Match
 from router.routing.pool import Instance, InstancePool
 
 MODES = ("disaggregated", "colocated", "auto")
@@ -36,6 +41,7 @@ class Placement:
         mode: str,
         *,
         decode_first: bool = True,
+        max_local_prefill_tokens: int = 256,
         skew_ratio: float = 2.0,
         skew_slack: float = 8.0,
     ) -> None:
@@ -43,22 +49,27 @@ class Placement:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.leg = leg
         self.mode = mode
+        if max_local_prefill_tokens < 0:
+            raise ValueError(
+                f"max_local_prefill_tokens must be >= 0, got {max_local_prefill_tokens}"
+            )
         self.decode_first = decode_first
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.skew_ratio = skew_ratio
         self.skew_slack = skew_slack
 
     def decide(self, job: Job, trace: Trace) -> str:
-        """``remote_prefill``, ``local_prefill`` or ``decode_first`` (counted in metrics).
+        """``remote_prefill``, ``local_prefill``, ``decode_first`` or ``local_suffix``
+        (counted in metrics).
 
         Remote prefill needs both pools; with either one empty of healthy instances the
         request runs in one ``Decode`` call on whichever pool has one (a decode instance
         prefills itself; with no decode, ``decode_deltas`` puts it on a prefill instance)."""
         decision = "local_prefill" if self.mode == "colocated" else "remote_prefill"
         if decision == "remote_prefill" and self.decode_first:
-            holder = self._decode_holder(job, trace)
-            if holder is not None:
-                job.decode_pin = holder
-                decision = "decode_first"
+            held = self._decode_holder(job, trace)
+            if held is not None:
+                job.decode_pin, decision = held
         if decision == "remote_prefill" and self.mode == "auto":
             decision = self._auto(job, trace)
         if decision == "remote_prefill" and not self.leg.prefill_pool.healthy():
@@ -75,10 +86,13 @@ class Placement:
             candidates = lora_candidates(candidates, job.lora_name)
         return candidates
 
-    def _decode_holder(self, job: Job, trace: Trace) -> str | None:
-        """The least loaded healthy decode instance whose live event stream says it holds
-        every full block of the prompt in device or host memory; None if none (or it is
-        much busier than the least loaded decode instance)."""
+    def _decode_holder(self, job: Job, trace: Trace) -> tuple[str, str] | None:
+        """(instance, decision) of the decode instance that should compute the prompt's
+        rest itself, by its live KV events (device or host memory): one that holds every
+        full block (``decode_first``), else one whose held prefix leaves at most
+        ``max_local_prefill_tokens`` tokens to compute (``local_suffix``); the fewest
+        missing tokens win, then the least load. None if none qualifies, or it is much
+        busier than the least loaded decode instance."""
         pool = self.leg.decode_pool
         if not job.block_hashes:
             return None
@@ -87,16 +101,31 @@ class Placement:
         if not live:
             return None
         matches = pool.kv_index.match([inst.url for inst in live], job.block_hashes)
-        full = [inst for inst in live if matches[inst.url].fast_blocks == len(job.block_hashes)]
-        if not full:
+        whole = len(job.block_hashes)
+        held = {inst.url: _held_blocks(matches[inst.url], whole) for inst in live}
+        missing = {
+            url: max(0, len(job.prompt_ids) - k * self.leg.block_size) for url, k in held.items()
+        }
+        eligible = [
+            inst
+            for inst in live
+            if held[inst.url] == whole
+            or (held[inst.url] > 0 and missing[inst.url] <= self.max_local_prefill_tokens)
+        ]
+        if not eligible:
             return None
-        holder = min(full, key=lambda inst: (inst.load_score(), inst.url))
+        holder = min(eligible, key=lambda inst: (missing[inst.url], inst.load_score(), inst.url))
         least = min(candidates, key=lambda inst: (inst.load_score(), inst.url))
+        decision = "decode_first" if held[holder.url] == whole else "local_suffix"
         if holder.load_score() > least.load_score() * self.skew_ratio + self.skew_slack:
-            trace.placement["decode_first_skipped"] = holder.url
+            trace.placement[f"{decision}_skipped"] = holder.url
             return None
-        trace.placement["decode_first"] = {"instance": holder.url, **matches[holder.url].as_dict()}
-        return holder.url
+        trace.placement[decision] = {
+            "instance": holder.url,
+            **matches[holder.url].as_dict(),
+            "missing_tokens": missing[holder.url],
+        }
+        return holder.url, decision
 
     def _auto(self, job: Job, trace: Trace) -> str:
         """Price local prefill on each decode instance (its own hit length) against remote
@@ -151,3 +180,13 @@ class Placement:
             decode=empty,
         )
         return est, None, 0
+
+
+def _held_blocks(match: Match, whole: int) -> int:
+    """Leading prompt blocks an instance reuses without the store: every block when it
+    holds all ``whole`` in device or host memory; else its fast blocks, unless a store-only
+    block sits inside the leading run (then the fast ones need not be leading: count none,
+    the suffix is not known to be short)."""
+    if match.fast_blocks == whole or match.store == 0:
+        return match.fast_blocks
+    return 0

@@ -65,6 +65,11 @@ TRANSFER_FIGURES = (
 )  # fmt: skip
 
 
+# The placements that compute the prompt on a decode instance (``prefill_path`` "local";
+# router/legs/placement.py); every other one computes it on a prefill instance.
+LOCAL_DECISIONS = ("local_prefill", "decode_first", "local_suffix")
+
+
 @dataclass(slots=True)
 class Trace:
     """Timings of one request; ``finish`` records them into the metrics once."""
@@ -87,6 +92,9 @@ class Trace:
     # The prompt's KV handoff (router/legs/transfer.py): connector, blocks, bytes, seconds.
     transfer: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: int = 0
+    # Prompt tokens the instance that computed the prompt (the prefill, or the decode on
+    # a local path) served from its own cache: the rest it computed. None until known.
+    prompt_cached: int | None = None
     spans: RequestSpans | None = None  # only when tracing is on (router/legs/spans.py)
     _done: bool = False
 
@@ -129,15 +137,37 @@ class Trace:
             self.itl_samples.append((now - prev) / count)
         self.last_token_at[delta.index] = now
 
-    def timings(self) -> dict[str, float]:
-        """Phase → seconds, plus ttft and e2e so far (the ``pdserve_timings`` usage field)."""
-        out = {name: round(self.phases.get(name, 0.0), 6) for name in PHASES}
+    def prefill_path(self) -> str | None:
+        """``local`` (a decode instance computed the prompt) or ``remote`` (a prefill did)."""
+        if self.decision is None:
+            return None
+        return "local" if self.decision in LOCAL_DECISIONS else "remote"
+
+    def prompt_computed(self) -> int | None:
+        """Prompt tokens computed (where ``prefill_path`` says); None until known."""
+        if self.prompt_cached is None:
+            return None
+        return max(0, self.prompt_tokens - self.prompt_cached)
+
+    def timings(self) -> dict[str, float | str]:
+        """Phase → seconds, plus ttft and e2e so far (the ``pdserve_timings`` usage field),
+        the handoff's figures, and where the prompt was computed (``prefill_path``,
+        ``prompt_tokens_computed`` there, ``prompt_tokens_cached`` there)."""
+        out: dict[str, float | str] = {
+            name: round(self.phases.get(name, 0.0), 6) for name in PHASES
+        }
         if self.first_token_at is not None:
             out["ttft"] = round(self.first_token_at - self.arrival, 6)
         out["e2e"] = round(time.perf_counter() - self.arrival, 6)
         for key in TRANSFER_FIGURES:
             if key in self.transfer:
                 out[f"kv_{key}"] = self.transfer[key]
+        path, computed = self.prefill_path(), self.prompt_computed()
+        if path is not None:
+            out["prefill_path"] = path
+        if computed is not None:
+            out["prompt_tokens_computed"] = computed
+            out["prompt_tokens_cached"] = self.prompt_tokens - computed
         return out
 
     def finish(self, metrics: RouterMetrics, outcome: str) -> None:
@@ -160,6 +190,9 @@ class Trace:
                 metrics.tpot.observe((end - self.first_token_at) / (self.completion_tokens - 1))
         for sample in self.itl_samples:
             metrics.itl.observe(sample)
+        path, computed = self.prefill_path(), self.prompt_computed()
+        if path is not None and computed is not None:
+            metrics.prompt_tokens_computed.labels(path).inc(computed)
 
     def _usage_attributes(self) -> dict[str, Any]:
         """The root span's closing attributes (GenAI semantic conventions where they exist)."""
@@ -168,6 +201,8 @@ class Trace:
             "gen_ai.usage.output_tokens": self.completion_tokens,
             "pdserve.cached_tokens": self.cached_tokens,
             "pdserve.decision": self.decision,
+            "pdserve.prefill_path": self.prefill_path(),
+            "pdserve.prompt_tokens_computed": self.prompt_computed(),
             "pdserve.prefill_instance": self.prefill_instance,
             "pdserve.decode_instances": list(self.decode_instances) or None,
         }

@@ -48,7 +48,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    timings: dict[str, float] | None = None
+    timings: dict[str, float | str] | None = None
     route: dict[str, Any] | None = None  # the request's placement and routing (trace)
 
     def body(self) -> dict[str, Any]:

@@ -173,6 +173,7 @@ async def handle_generation(
         raise
     fmt = shape(jobs, parser) if shape is not None else _formatter(deps, req, jobs, parser)
     usage = Usage(prompt_tokens=sum(len(job.prompt_ids) for job in jobs))
+    trace.prompt_tokens = usage.prompt_tokens
     deps.active += 1
     release = True
     trace.phase("router_queue", time.perf_counter() - trace.arrival)
@@ -222,7 +223,6 @@ def _start_spans(
 ) -> None:
     """The request's root span (continuing the client's ``traceparent``) and its queue span."""
     params = jobs[0].params
-    trace.prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
     attributes = {
         "gen_ai.operation.name": "chat"
         if isinstance(req, ChatCompletionRequest)

@@ -198,7 +198,9 @@ def test_events_find_blocks_another_router_placed(services: Services) -> None:
 def test_decode_first_and_auto_route_on_held_blocks(services: Services) -> None:
     disagg = services.router()
     off = services.router("--decode-first", "off")
-    auto = services.router("--mode", "auto")
+    # The local suffix off: the longer prompt below (32 tokens past the held ones) is for
+    # auto's estimate (tests/e2e/test_router_local_suffix.py covers the local suffix).
+    auto = services.router("--mode", "auto", "--max-local-prefill-tokens", "0")
     colocated = services.router("--mode", "colocated")
     try:
         wait_until(lambda: all_live(disagg) and all_live(auto), 60, "live event streams")
