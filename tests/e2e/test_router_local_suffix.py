@@ -126,9 +126,10 @@ def test_short_missing_suffix_is_computed_on_the_decode(services: Services) -> N
         metric(s.disagg.url + "/metrics", "pdserve_prompt_tokens_computed_total", path="local")
         == local_tokens + second["prompt_tokens_computed"]
     )
-    assert metric(
-        s.disagg.url + "/metrics", "pdserve_disagg_decisions_total", decision="local_suffix"
-    ) >= 1
+    assert (
+        metric(s.disagg.url + "/metrics", "pdserve_disagg_decisions_total", decision="local_suffix")
+        >= 1
+    )
 
     # Turn 3: over the threshold of new tokens: through the prefill, which computes only
     # what its own prefix cache (turn 1's prompt) lacks.
