@@ -1,7 +1,7 @@
 """`pdserve tune`: find the `pdserve up` configuration with the highest goodput under SLOs.
 
-For every grid point (prefill:decode split, router mode, `--max-num-seqs`,
-`--max-num-batched-tokens`) it starts `pdserve up` on a free port, runs `bench serve`
+For every grid point (prefill:decode split, router mode, per-pool tensor-parallel sizes,
+`--max-num-seqs`, `--max-num-batched-tokens`) it starts `pdserve up` on a free port, runs `bench serve`
 in-process at each request rate, and appends one line per (point, rate) to
 `OUT/results.jsonl`; a re-run with the same workload skips what is already there. At the
 end it writes `report.md` (table, best configuration, Helm values), `tune.png` and
@@ -121,14 +121,47 @@ def _int_list(text: str | None, flag: str) -> list[int | None]:
     return list(values)
 
 
-def _instances(args: argparse.Namespace) -> int:
-    if (args.instances is None) == (args.gpu_budget is None):
-        raise ValueError("give exactly one of --instances N or --gpu-budget G")
+def _instances(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(engine instances per configuration, GPU budget or None). With per-pool TP sizes
+    both may be given: N engines, the points that need more than G GPUs dropped."""
+    splits = bool(args.prefill_tensor_parallel_sizes or args.decode_tensor_parallel_sizes)
+    if args.instances is None and args.gpu_budget is None:
+        raise ValueError("give --instances N or --gpu-budget G")
+    if args.instances is not None and args.gpu_budget is not None and not splits:
+        raise ValueError(
+            "give exactly one of --instances N or --gpu-budget G (both only with "
+            "--prefill/--decode-tensor-parallel-sizes)"
+        )
     if args.instances is not None:
-        return int(args.instances)
+        return int(args.instances), args.gpu_budget
     if args.gpus_per_instance < 1 or args.gpu_budget < args.gpus_per_instance:
         raise ValueError("--gpu-budget must be >= --gpus-per-instance >= 1")
-    return int(args.gpu_budget // args.gpus_per_instance)
+    return int(args.gpu_budget // args.gpus_per_instance), int(args.gpu_budget)
+
+
+def tp_sizes(text: str | None, flag: str) -> list[int]:
+    """A pool's tensor-parallel sizes to try (a comma list); [1] when unset."""
+    return [int(v) for v in _int_list(text, flag) if v is not None] if text else [1]
+
+
+def valid_tp_sizes(model: str, flag: str, sizes: list[int]) -> list[int]:
+    """The sizes that split the model's heads and KV heads (the engine's rule,
+    ``pdserve/gpus.py``); each dropped one is logged with the reason. ValueError naming
+    the flag when none is left."""
+    from pdserve.gpus import check_tensor_parallel_size
+    from pdserve.procs import LaunchError
+
+    valid = []
+    for size in sizes:
+        try:
+            check_tensor_parallel_size(model, size)
+        except LaunchError as exc:
+            log.warning("%s: %d skipped (%s)", flag, size, exc)
+            continue
+        valid.append(size)
+    if not valid:
+        raise ValueError(f"{flag}: no size in {sizes} splits {model}'s heads and KV heads")
+    return valid
 
 
 def _default_tokenizer(model: str) -> str:
@@ -144,12 +177,27 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
     """Validate the flags into a plan; ValueError with the flag's name when they are wrong."""
     if not args.goodput:
         raise ValueError("--goodput is required: tune maximises goodput under these SLOs")
+    instances, budget = _instances(args)
+    sizes = {
+        "--prefill-tensor-parallel-sizes": tp_sizes(
+            args.prefill_tensor_parallel_sizes, "--prefill-tensor-parallel-sizes"
+        ),
+        "--decode-tensor-parallel-sizes": tp_sizes(
+            args.decode_tensor_parallel_sizes, "--decode-tensor-parallel-sizes"
+        ),
+    }
+    if any(size > 1 for values in sizes.values() for size in values):
+        model_dir = _default_tokenizer(args.model)
+        sizes = {flag: valid_tp_sizes(model_dir, flag, v) for flag, v in sizes.items()}
     grid = build_grid(
-        _instances(args),
+        instances,
         [m.strip() for m in args.modes.split(",") if m.strip()],
         parse_ratios(args.ratios) if args.ratios else None,
         _int_list(args.max_num_seqs, "--max-num-seqs"),
         _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens"),
+        sizes["--prefill-tensor-parallel-sizes"],
+        sizes["--decode-tensor-parallel-sizes"],
+        budget,
     )
     workload, load = workload_load_from_args(args)
     return TunePlan(
@@ -260,6 +308,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--ratios", help="prefill:decode ratios, e.g. 1:1,1:3 (default: every split)")
     g.add_argument("--max-num-seqs", help="comma list of values (default: engine default)")
     g.add_argument("--max-num-batched-tokens", help="comma list of values (default: engine's)")
+    g.add_argument(
+        "--prefill-tensor-parallel-sizes",
+        help="comma list of the prefill pool's TP sizes to try (each must split the model's "
+        "heads and KV heads; default 1)",
+    )
+    g.add_argument(
+        "--decode-tensor-parallel-sizes",
+        help="comma list of the decode pool's TP sizes to try (default 1); with "
+        "--instances, --gpu-budget drops the splits needing more GPUs (CPU: processes)",
+    )
     g.add_argument("--connector", default="fs", choices=["fs", "redis", "lmcache"])
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--up-arg", action="append", default=[], help="extra `pdserve up` flags")

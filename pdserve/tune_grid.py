@@ -27,14 +27,27 @@ class GridPoint:
     decode: int
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # Per-pool tensor-parallel sizes (``pdserve up --prefill-tensor-parallel-size``, ...):
+    # the decode re-cuts the prefill's KV (docs/design.md §3 "KV between unlike grids").
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def key(self) -> str:
-        """Stable identity used in the results file."""
-        return (
+        """Stable identity used in the results file (a split of TP 1 on both pools keeps
+        the key it had before splits were a dimension)."""
+        key = (
             f"{self.mode}:p{self.prefill}:d{self.decode}:"
             f"seqs={self.max_num_seqs or 'default'}:tokens={self.max_num_batched_tokens or 'default'}"
         )
+        if (self.prefill_tp, self.decode_tp) != (1, 1):
+            key += f":tp={self.prefill_tp}/{self.decode_tp}"
+        return key
+
+    @property
+    def devices(self) -> int:
+        """GPUs (on the CPU: gloo rank processes) the configuration's engines use."""
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
     @property
     def label(self) -> str:
@@ -49,11 +62,21 @@ class GridPoint:
             for name, value in (("seqs", self.max_num_seqs), ("tok", self.max_num_batched_tokens))
             if value is not None
         )
+        if (self.prefill_tp, self.decode_tp) != (1, 1):
+            extra += (
+                f" tp=D{self.decode_tp}"
+                if self.mode == "colocated"
+                else f" tp=P{self.prefill_tp}/D{self.decode_tp}"
+            )
         return shape + extra
 
     def up_args(self) -> list[str]:
         """The `pdserve up` flags for this configuration."""
         args = ["--mode", self.mode, "--prefill", str(self.prefill), "--decode", str(self.decode)]
+        if (self.prefill_tp, self.decode_tp) != (1, 1):
+            if self.prefill:
+                args += ["--prefill-tensor-parallel-size", str(self.prefill_tp)]
+            args += ["--decode-tensor-parallel-size", str(self.decode_tp)]
         if self.max_num_seqs is not None:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.max_num_batched_tokens is not None:
@@ -90,29 +113,48 @@ def splits(instances: int, ratios: Sequence[tuple[int, int]] | None) -> list[tup
     return out
 
 
+def tp_pairs(
+    mode: str, prefill_sizes: Sequence[int], decode_sizes: Sequence[int]
+) -> list[tuple[int, int]]:
+    """(prefill TP, decode TP) pairs to try for one mode: every pair (each side's sizes
+    already checked against the model: ``pdserve/tune.py``); colocated has no prefill
+    pool, so only the decode's sizes (prefill TP 1)."""
+    if mode == "colocated":
+        return [(1, d) for d in dict.fromkeys(decode_sizes)]
+    return list(itertools.product(dict.fromkeys(prefill_sizes), dict.fromkeys(decode_sizes)))
+
+
 def build_grid(
     instances: int,
     modes: Sequence[str],
     ratios: Sequence[tuple[int, int]] | None = None,
     max_num_seqs: Sequence[int | None] = (None,),
     max_num_batched_tokens: Sequence[int | None] = (None,),
+    prefill_tp: Sequence[int] = (1,),
+    decode_tp: Sequence[int] = (1,),
+    device_budget: int | None = None,
 ) -> list[GridPoint]:
     """Every configuration to try: colocated uses all instances as decode (prefill 0);
-    disaggregated and auto try each prefill:decode split. Raises ValueError when empty."""
+    disaggregated and auto try each prefill:decode split; each with every per-pool TP
+    pair. ``device_budget``: drop the points whose engines need more GPUs (CPU: rank
+    processes) than that. Raises ValueError when empty."""
     if instances < 1:
         raise ValueError(f"--instances must be >= 1, got {instances}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
-    shapes: list[tuple[str, int, int]] = []
+    if min((*prefill_tp, *decode_tp), default=1) < 1:
+        raise ValueError("tensor-parallel sizes must be >= 1")
+    shapes: list[tuple[str, int, int, int, int]] = []
     for mode in dict.fromkeys(modes):
+        pairs = tp_pairs(mode, prefill_tp, decode_tp)
         if mode == "colocated":
-            shapes.append((mode, 0, instances))
+            shapes += [(mode, 0, instances, a, b) for a, b in pairs]
         else:
-            shapes += [(mode, p, d) for p, d in splits(instances, ratios)]
+            shapes += [(mode, p, d, a, b) for p, d in splits(instances, ratios) for a, b in pairs]
     grid = [
-        GridPoint(mode, p, d, seqs, toks)
-        for (mode, p, d), seqs, toks in itertools.product(
+        GridPoint(mode, p, d, seqs, toks, a, b)
+        for (mode, p, d, a, b), seqs, toks in itertools.product(
             shapes, dict.fromkeys(max_num_seqs), dict.fromkeys(max_num_batched_tokens)
         )
     ]
@@ -120,7 +162,13 @@ def build_grid(
         raise ValueError(
             f"empty grid: {instances} instance(s) cannot be split into prefill and decode pools"
         )
-    return grid
+    fits = [point for point in grid if device_budget is None or point.devices <= device_budget]
+    if not fits:
+        raise ValueError(
+            f"empty grid: every configuration needs more than the {device_budget} GPUs given "
+            f"(the smallest needs {min(point.devices for point in grid)})"
+        )
+    return fits
 
 
 def bench_fingerprint(settings: dict[str, Any]) -> str:
@@ -192,12 +240,15 @@ def best_row(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
 def helm_values(point: GridPoint) -> str:
     """The Helm values snippet that deploys `point` (keys of the pdserve chart)."""
+    split = (point.prefill_tp, point.decode_tp) != (1, 1)
     lines = [
         "# pdserve tune: best configuration",
         "prefill:",
         f"  replicas: {point.prefill}",
+        *([f"  tensorParallelSize: {point.prefill_tp}"] if split and point.prefill else []),
         "decode:",
         f"  replicas: {point.decode}",
+        *([f"  tensorParallelSize: {point.decode_tp}"] if split else []),
         "router:",
         f"  mode: {point.mode}",
     ]

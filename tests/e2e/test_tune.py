@@ -87,3 +87,29 @@ def test_two_point_tune_killed_and_resumed(tiny_model_dir: Path, tmp_path: Path)
     assert values["router"]["mode"] in ("colocated", "disaggregated")
     assert (out / "tune.png").read_bytes().startswith(b"\x89PNG")
     assert "Helm values" in second.stdout
+
+
+def test_tune_runs_a_per_pool_tensor_parallel_split(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One point: a prefill of TP 1 and a decode of TP 2 (gloo ranks on the CPU; the
+    decode re-cuts the prefill's KV heads), benched like any other; TP 3 cannot split the
+    tiny model's 4 heads and is left out of the grid."""
+    out = tmp_path / "tune"
+    argv = [sys.executable, "-m", "pdserve", "tune", "--model", str(tiny_model_dir),
+            "--instances", "2", "--modes", "disaggregated", "--decode-tensor-parallel-sizes",
+            "2,3", "--request-rates", "4", "--num-prompts", "4", "--input-len", "24",
+            "--output-len", "4", "--num-warmups", "1", "--goodput", "e2e:600000",
+            "--startup-timeout", "300", "--request-timeout", "60", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "--decode-tensor-parallel-sizes: 3 skipped" in run.stderr
+    rows = result_lines(out / "results.jsonl")
+    assert [(r["key"], r["status"]) for r in rows] == [
+        ("disaggregated:p1:d1:seqs=default:tokens=default:tp=1/2", "ok")
+    ]
+    summary = rows[0]["summary"]
+    assert isinstance(summary, dict) and summary["completed"] == 4 and summary["failed"] == 0
+    assert "1P+1D disagg tp=P1/D2" in (out / "report.md").read_text()
+    values = yaml.safe_load((out / "values-best.yaml").read_text())
+    assert values["decode"] == {"replicas": 1, "tensorParallelSize": 2}
+    assert values["prefill"] == {"replicas": 1, "tensorParallelSize": 1}

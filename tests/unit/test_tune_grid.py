@@ -187,3 +187,66 @@ def test_helm_values_deploy_the_configuration(point: GridPoint, tmp_path: Path) 
         assert env("t-pdserve-decode")["PDSERVE_MAX_NUM_BATCHED_TOKENS"] == str(
             point.max_num_batched_tokens
         )
+
+
+def test_grid_per_pool_tensor_parallel_splits() -> None:
+    grid = build_grid(3, ["colocated", "disaggregated"], None, prefill_tp=[1, 2], decode_tp=[1, 2])
+    colocated = [p for p in grid if p.mode == "colocated"]
+    # Colocated has no prefill pool: only the decode's sizes.
+    assert {(p.prefill_tp, p.decode_tp) for p in colocated} == {(1, 1), (1, 2)}
+    disagg = {(p.prefill, p.decode, p.prefill_tp, p.decode_tp) for p in grid} - {
+        (0, 3, 1, 1),
+        (0, 3, 1, 2),
+    }
+    assert disagg == {(p, 3 - p, a, b) for p in (1, 2) for a in (1, 2) for b in (1, 2)}
+    assert len({p.key for p in grid}) == len(grid)
+    split = GridPoint("disaggregated", 1, 2, prefill_tp=2, decode_tp=1)
+    assert split.devices == 4
+    assert split.key.endswith(":tp=2/1") and split.label == "1P+2D disagg tp=P2/D1"
+    assert split.up_args()[-4:] == [
+        "--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"
+    ]  # fmt: skip
+    # TP 1 on both pools keeps the key (and flags) of a grid without splits: results resume.
+    assert GridPoint("disaggregated", 1, 2).key == "disaggregated:p1:d2:seqs=default:tokens=default"
+    assert "--decode-tensor-parallel-size" not in GridPoint("disaggregated", 1, 2).up_args()
+    solo = GridPoint("colocated", 0, 2, decode_tp=2)
+    assert solo.up_args()[-2:] == ["--decode-tensor-parallel-size", "2"] and solo.devices == 4
+    values = yaml.safe_load(helm_values(split))
+    assert values["prefill"] == {"replicas": 1, "tensorParallelSize": 2}
+    assert values["decode"] == {"replicas": 2, "tensorParallelSize": 1}
+
+
+def test_grid_device_budget_drops_what_does_not_fit() -> None:
+    grid = build_grid(
+        2, ["disaggregated"], None, prefill_tp=[1, 2], decode_tp=[1, 2], device_budget=3
+    )
+    assert {(p.prefill_tp, p.decode_tp) for p in grid} == {(1, 1), (1, 2), (2, 1)}
+    assert all(p.devices <= 3 for p in grid)
+    with pytest.raises(ValueError, match="more than the 2 GPUs"):
+        build_grid(2, ["disaggregated"], None, prefill_tp=[2], decode_tp=[2], device_budget=2)
+    with pytest.raises(ValueError, match=">= 1"):
+        build_grid(2, ["disaggregated"], None, prefill_tp=[0])
+
+
+def test_tp_sizes_checked_against_the_model(tiny_model_dir: Path) -> None:
+    """The tiny Llama has 4 heads and 2 KV heads: TP 3 cannot split it and is dropped;
+    a pool with no valid size is an error naming its flag."""
+    from pdserve.tune import valid_tp_sizes
+
+    flag = "--decode-tensor-parallel-sizes"
+    assert valid_tp_sizes(str(tiny_model_dir), flag, [1, 2, 3]) == [1, 2]
+    with pytest.raises(ValueError, match=flag):
+        valid_tp_sizes(str(tiny_model_dir), flag, [3])
+
+
+def test_tune_flags_make_the_split_grid(tiny_model_dir: Path) -> None:
+    from pdserve.cli import build_parser
+    from pdserve.tune import plan_from_args
+
+    argv = ["tune", "--model", str(tiny_model_dir), "--instances", "2", "--gpu-budget", "3"]
+    argv += ["--modes", "disaggregated", "--prefill-tensor-parallel-sizes", "1,3"]
+    argv += ["--decode-tensor-parallel-sizes", "1,2", "--goodput", "e2e:1000", "--out", "x"]
+    plan = plan_from_args(build_parser().parse_args(argv))
+    assert [(p.prefill_tp, p.decode_tp) for p in plan.grid] == [(1, 1), (1, 2)]
+    with pytest.raises(ValueError, match="exactly one"):
+        plan_from_args(build_parser().parse_args(argv[:7] + ["--goodput", "e2e:1", "--out", "x"]))
