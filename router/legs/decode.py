@@ -92,10 +92,12 @@ class _Choice:
             self.first_chunk = False
             if self.index == 0:  # phases are per request: choice 0's first stream stands for them
                 _record_decode_start(self.leg, self.trace, chunk, self.handle, self.call_started)
-                if self.handle is None and not self.tokens and self.trace.prompt_cached is None:
+                if self.handle is None and not self.tokens:
                     # This instance computes the prompt (no handoff): its cache hit says
-                    # how much of it (a local path's ``prompt_tokens_computed``).
-                    self.trace.prompt_cached = chunk.num_cached_tokens
+                    # how much of it (a local path's ``prompt_tokens_computed``; summed
+                    # over a request's prompts, once each: choice 0's first stream).
+                    cached = self.trace.prompt_cached or 0
+                    self.trace.prompt_cached = cached + chunk.num_cached_tokens
         self.tokens.extend(chunk.token_ids)
         delta = _delta(self.job, self.trace, self.index, chunk, self.resumed)
         if delta is not None:

@@ -95,7 +95,7 @@ async def prefill_events(
                             first_sent = True
                             ft = event.first_token
                             trace.cached_tokens = ft.num_cached_tokens
-                            trace.prompt_cached = ft.num_cached_tokens
+                            trace.prompt_cached = (trace.prompt_cached or 0) + ft.num_cached_tokens
                             lps = logprobs_of([ft.logprob]) if ft.HasField("logprob") else None
                             watch.held = True
                             yield PrefillFirst(

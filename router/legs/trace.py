@@ -92,8 +92,9 @@ class Trace:
     # The prompt's KV handoff (router/legs/transfer.py): connector, blocks, bytes, seconds.
     transfer: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: int = 0
-    # Prompt tokens the instance that computed the prompt (the prefill, or the decode on
-    # a local path) served from its own cache: the rest it computed. None until known.
+    # Prompt tokens the instances that computed the prompts (the prefill, or the decode on
+    # a local path) served from their own cache, summed over the request's prompts: the
+    # rest they computed. None until known.
     prompt_cached: int | None = None
     spans: RequestSpans | None = None  # only when tracing is on (router/legs/spans.py)
     _done: bool = False
