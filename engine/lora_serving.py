@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from engine.lora.adapter import LoRAError
 from engine.lora.manager import AdapterInfo, LoRAManager
 from engine.lora.request import LoRARequest
-from engine.lora.slots import LoRASlots, attach
+from engine.lora.slots import LoRASlots
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 class LoRAServing:
     def __init__(self, config: EngineConfig, args: ModelArgs, runner: ModelRunner) -> None:
         self.slots = LoRASlots(
-            args, config.max_loras, config.max_lora_rank, runner.dtype, config.device
-        )
-        attach(runner.model, self.slots)
-        runner.lora_slots = self.slots
+            args, config.max_loras, config.max_lora_rank, runner.dtype, config.device,
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+        )  # fmt: skip
+        runner.bind_lora(self.slots)  # the layers, and CUDA graphs with the LoRA kernels
         self.manager = LoRAManager(
             args,
             self.slots,

@@ -8,8 +8,9 @@ pure-decode ``LLMEngine.step()`` is reported:
 
 * ``base``: an engine without LoRA (CUDA graphs as configured);
 * ``base_lora_engine``: the LoRA engine, every request on the base model (graphs still);
-* ``mixed``: the LoRA engine, request i on adapter i mod ``--adapters`` (eager steps,
-  Triton shrink/expand on CUDA, the torch path on the CPU).
+* ``mixed``: the LoRA engine, request i on adapter i mod ``--adapters`` (on CUDA the
+  Triton shrink/expand inside the decode graphs recorded with them, whose replays the
+  report counts as ``mixed_graph_replays``; the torch path, eager, on the CPU).
 
 Target (docs/lora.md): ``mixed / base <= 1.3`` at batch 64 with 8 adapters on the GPU.
 
@@ -169,12 +170,16 @@ def main() -> None:
         names: list[str | None] = [n for n, _ in mods]
         decode_step_ms(lora, a.batch, a.prompt_len, 4, names)  # warm-up (Triton compiles)
         results["base_lora_engine"] = decode_step_ms(lora, a.batch, a.prompt_len, a.steps, [None])
+        graphs = lora.runner.lora_graphs
+        replays_before = graphs.num_replays if graphs is not None else 0
         results["mixed"] = decode_step_ms(lora, a.batch, a.prompt_len, a.steps, names)
+        replays = None if graphs is None else graphs.num_replays - replays_before
         lora.shutdown()
     report = {
         "device": a.device, "model_config": a.model_config, "batch": a.batch,
         "adapters": a.adapters, "rank": a.rank, "prompt_len": a.prompt_len,
         "step_ms": results, "mixed_over_base": results["mixed"] / results["base"],
+        "mixed_graph_replays": replays,
         "command": recorded_command("benchmarks.gpu.lora_step"),
     }  # fmt: skip
     write_report(report, a.out, a.device)

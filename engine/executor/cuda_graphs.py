@@ -9,7 +9,8 @@ it must read only device tensors plus the host integers of ``meta`` that stay fi
 the bucket (``num_reqs``, ``max_query_len`` = 1, ``max_seq_len`` = ``max_model_len``), never
 synchronise with the host, and return logits ``[batch, vocab]`` for every row. The Triton
 attention backend satisfies this; ``torch_ref`` does not (it reads the host copies), so
-graphs are for ``attention_backend="triton"`` only.
+graphs are for ``attention_backend="triton"`` only. (The LoRA set returns the hidden states
+instead, and the runner computes the logits after the replay: docs/lora.md.)
 
 Rows past the live batch are padding: slot -1 (nothing written), sequence length 0
 (nothing read), token 0 at position 0; their logits are discarded.

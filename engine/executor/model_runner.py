@@ -27,7 +27,7 @@ from engine.distributed.tp_group import TPGroup
 from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
 from engine.executor.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.executor.step_inputs import HostInputs, InputBuilder, StepInputs
-from engine.lora.slots import LoRASlots
+from engine.lora.slots import LoRASlots, attach
 from engine.models import ModelArgs, build_model
 from engine.models.parallel import Shard
 from engine.models.stages import Stage
@@ -117,8 +117,11 @@ class ModelRunner:
             # Every rank, here: NCCL's communicator must exist before graphs capture its
             # collectives; on the CPU it checks the gloo group the same way.
             self.tp.warm_up(self.device)
-        # The step's LoRA token slots, when LoRA is on (engine/lora_serving.py sets it).
+        # The step's LoRA token slots, when LoRA is on (``bind_lora``), and the graphs
+        # recorded with the LoRA kernels, which steps with adapter tokens replay.
         self.lora_slots: LoRASlots | None = None
+        self.lora_graphs: DecodeGraphs | None = None
+        self.lora_mixed_graphs: MixedGraphs | None = None
         self.graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         logger.info(
@@ -141,12 +144,31 @@ class ModelRunner:
         if not hasattr(self, "model"):
             return  # released already
         self.graphs = self.mixed_graphs = None
+        self.lora_graphs = self.lora_mixed_graphs = None
         self.kv_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         del self.model  # the weights go with the last reference to the module
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+    def bind_lora(self, slots: LoRASlots) -> None:
+        """Serve LoRA (engine/lora_serving.py): every layer adds the step's LoRA terms
+        from ``slots``. Where base-model steps replay CUDA graphs and the slots' kernels
+        read only device data, a second set of graphs is recorded with the LoRA kernels
+        in (docs/lora.md): steps with adapter tokens replay those, base-model steps keep
+        the graphs without them (no LoRA launch at all)."""
+        attach(self.model, slots)
+        self.lora_slots = slots
+        if not slots.graphable or (self.graphs is None and self.mixed_graphs is None):
+            return
+        with slots.recording():
+            if self.graphs is not None:
+                # Hidden states out, logits eagerly after the replay: no second set of
+                # per-bucket logits buffers (2 GB at 256 sequences and a 128k vocabulary).
+                self.lora_graphs = self._capture_decode_graphs(logits=False)
+            if self.mixed_graphs is not None:
+                self.lora_mixed_graphs = self._capture_mixed_graphs()
+
+    def _capture_decode_graphs(self, logits: bool = True) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
         backend that reads only device tensors: ``triton``, or one with
         ``captures_decode`` (engine/attention/base.py: flash_attn, auto).
@@ -165,10 +187,13 @@ class ModelRunner:
             or self.stage.size > 1
         ):
             return None
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            hidden = self.model(ids, pos, self.kv_cache, meta)
+            return self.model.compute_logits(hidden) if logits else hidden
+
         graphs = DecodeGraphs(
-            lambda ids, pos, meta: self.model.compute_logits(
-                self.model(ids, pos, self.kv_cache, meta)
-            ),
+            forward,
             max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req,
             device=self.device,
@@ -304,21 +329,26 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of a prepared step; logits as ``execute`` says."""
+        graphs, mixed = self.graphs, self.mixed_graphs
+        slots = self.lora_slots
+        if slots is not None and slots.active:
+            # Steps with adapter tokens replay the graphs recorded with the LoRA kernels
+            # (``bind_lora``); none with the torch path (CPU): eager.
+            ok = slots.graphable
+            graphs = self.lora_graphs if ok else None
+            mixed = self.lora_mixed_graphs if ok else None
         if (
-            self.graphs is not None
+            graphs is not None
             and inputs.meta.max_query_len == 1
-            # Steps with LoRA tokens run eagerly; the graphs hold base-model steps only.
-            and not (self.lora_slots is not None and self.lora_slots.active)
-            and self.graphs.bucket_for(inputs.meta.num_reqs)
+            and graphs.bucket_for(inputs.meta.num_reqs)
         ):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        if (
-            self.mixed_graphs is not None
-            and not (self.lora_slots is not None and self.lora_slots.active)
-            and self.mixed_graphs.bucket_for(inputs.input_ids.shape[0], inputs.meta.num_reqs)
-        ):
+            out = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if graphs is self.lora_graphs:  # hidden states (``bind_lora``)
+                return self.model.compute_logits(out[inputs.logits_indices])
+            return out
+        if mixed is not None and mixed.bucket_for(inputs.input_ids.shape[0], inputs.meta.num_reqs):
             # A step with prefill chunks (or drafts), or a decode step no decode graph holds.
-            hidden = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = mixed.run(inputs.input_ids, inputs.positions, inputs.meta)
             return self.model.compute_logits(hidden[inputs.logits_indices])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])

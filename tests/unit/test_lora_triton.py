@@ -21,25 +21,31 @@ import pytest
 from tests.seeds import fixed_seed
 from tests.triton_interpreter import interpreted_results
 
-# name: (tokens, in, sub-module output sizes, slot rank, slots, dtype)
-SMALL_CASES: dict[str, tuple[int, int, list[int], int, int, str]] = {
-    "qkv_f32_mixed": (7, 64, [64, 32, 32], 8, 3, "float32"),
-    "o_f32_ragged": (5, 70, [33], 4, 2, "float32"),
-    "gate_up_f32_rank16": (4, 130, [48, 48], 16, 2, "float32"),
-    "down_bf16": (6, 96, [64], 8, 4, "bfloat16"),
-    "qkv_bf16_one_token": (1, 64, [64, 16, 16], 8, 2, "bfloat16"),
+# name: (tokens, in, sub-module output sizes, slot rank, slots, dtype, shrink programs)
+# The shrink's K is split until blocks x chunks reach "shrink programs" (engine/lora/
+# triton_lora.py): 1 keeps it whole, more splits it (atomic sums). Sizes past 128 columns
+# make several column tiles per sub-module; more than 16 tokens of a slot, several blocks.
+SMALL_CASES: dict[str, tuple[int, int, list[int], int, int, str, int]] = {
+    "qkv_f32_mixed": (7, 64, [64, 32, 32], 8, 3, "float32", 1),
+    "o_f32_ragged": (5, 70, [33], 4, 2, "float32", 1),
+    "gate_up_f32_rank16": (4, 130, [48, 48], 16, 2, "float32", 64),
+    "down_bf16": (6, 96, [64], 8, 4, "bfloat16", 1),
+    "qkv_bf16_one_token": (1, 64, [64, 16, 16], 8, 2, "bfloat16", 1),
+    "qkv_f32_blocks_split_k": (45, 300, [136, 40, 40], 8, 3, "float32", 64),
+    "gate_up_bf16_tiles": (20, 64, [200, 200], 4, 2, "bfloat16", 8),
 }
 TOL = {"float32": 2.0**-18, "bfloat16": 2.0**-6}
 
 
 def lora_case(
     t: int, fan_in: int, sizes: list[int], rank: int, n_slots: int, dtype_name: str,
-    device: str, seed: int,
+    programs: int, device: str, seed: int,
 ) -> dict[str, float]:  # fmt: skip
     """Largest error / bound of the Triton and the torch path, and whether base rows
     were left untouched (0.0) or not (inf)."""
     import torch
 
+    from engine.lora.plan import max_blocks, plan_blocks
     from engine.lora.slots import lora_torch
     from engine.lora.triton_lora import lora_shrink_expand
 
@@ -77,7 +83,13 @@ def lora_case(
     bound = TOL[dtype_name] * mag + 1e-30
     out: dict[str, float] = {}
     triton_out = base.clone()
-    lora_shrink_expand(x, triton_out, a, b, slots, offsets, rank)
+    # Two spare work-list rows (zero), as a graph bucket larger than the step has.
+    table, order = plan_blocks(slots.cpu().numpy(), max_blocks(t, n_slots) + 2)
+    y = torch.zeros(t, subs * rank, dtype=torch.float32, device=device)
+    lora_shrink_expand(
+        x, triton_out, a, b, y, torch.from_numpy(table).to(device),
+        torch.from_numpy(order).to(device), offsets, sizes, rank, programs,
+    )  # fmt: skip
     present = sorted({int(s) for s in slots.tolist() if s >= 0})
     torch_out = base.clone()
     lora_torch(x, torch_out, a, b, slots, present, offsets, sizes, rank)
@@ -113,3 +125,24 @@ def test_lora_kernels_under_interpreter(results: dict[str, float], name: str) ->
 
 if __name__ == "__main__":
     print(json.dumps(run_cases(SMALL_CASES, "cpu")))
+
+
+def test_work_list_groups_tokens_by_slot_in_blocks() -> None:
+    """plan_blocks: each slot's tokens in runner order, cut into blocks of at most 16;
+    base-model tokens in none; spare rows zero; too few rows is an error."""
+    import numpy as np
+
+    from engine.lora.plan import BLOCK_M, max_blocks, plan_blocks
+
+    slots = np.array([2, -1, 0] + [2] * 20 + [-1, 0], dtype=np.int32)
+    rows = max_blocks(len(slots), 3)
+    table, order = plan_blocks(slots, rows)
+    twos = [0, *range(3, 23)]
+    assert order.tolist() == [2, 24, *twos]
+    live = table[table[:, 2] > 0].tolist()
+    assert live == [[0, 0, 2], [2, 2, BLOCK_M], [2, 2 + BLOCK_M, 5]]
+    assert (table[len(live) :] == 0).all() and len(table) == rows
+    empty, none = plan_blocks(np.full(5, -1, dtype=np.int32), 3)
+    assert not len(none) and not empty.any()
+    with pytest.raises(ValueError, match="too few"):
+        plan_blocks(slots, 2)
