@@ -227,6 +227,7 @@ class MixedGraphs:
             device,
         )
         self._graphs: dict[int, Capture] = {}
+        self.pool: Any = None  # the memory pool the captures used
         self.num_replays = 0  # steps served by a graph (tests and logs read it)
 
     @property
@@ -239,17 +240,18 @@ class MixedGraphs:
         return min(tokens, self.max_num_seqs) + 1
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> None:
         """Capture every bucket, largest first, into one memory pool: nothing a graph
         allocates outlives its replay (the output goes to ``buffers.hidden``), so replays
-        in any order are safe."""
-        pool = None
+        in any order are safe. ``pool``: another set's (``self.pool``) to share; the
+        LoRA set shares the base set's (engine/executor/model_runner.py ``bind_lora``)."""
         for tokens in reversed(self.buckets):
             rows = self.rows_for(tokens)
             self.buffers.pad_only(tokens, rows)
             capture = self.make_capture()
             pool = capture.capture(self._step_fn(tokens, rows), pool)
             self._graphs[tokens] = capture
+        self.pool = pool
         if self.buffers.hidden.is_cuda:
             torch.cuda.synchronize(self.buffers.hidden.device)
         logger.info(

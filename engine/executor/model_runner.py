@@ -13,6 +13,7 @@ others, and every rank runs ``run`` on them.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,7 +167,9 @@ class ModelRunner:
                 # per-bucket logits buffers (2 GB at 256 sequences and a 128k vocabulary).
                 self.lora_graphs = self._capture_decode_graphs(logits=False)
             if self.mixed_graphs is not None:
-                self.lora_mixed_graphs = self._capture_mixed_graphs()
+                # One memory pool for both sets: a mixed graph's allocations end with
+                # its replay (engine/executor/mixed_graphs.py).
+                self.lora_mixed_graphs = self._capture_mixed_graphs(self.mixed_graphs.pool)
 
     def _capture_decode_graphs(self, logits: bool = True) -> DecodeGraphs | None:
         """CUDA graphs for pure-decode steps (one per batch-size bucket). They need a
@@ -202,7 +205,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+    def _capture_mixed_graphs(self, pool: Any = None) -> MixedGraphs | None:
         """Full CUDA graphs for steps with prefill chunks, one per padded token count up
         to ``mixed_graph_max_tokens`` (engine/executor/mixed_graphs.py). Only a backend
         with ``captures_mixed`` (Triton: lengths as device data) qualifies; like the
@@ -230,7 +233,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        graphs.capture()
+        graphs.capture(pool)
         return graphs
 
     def bytes_per_block(self) -> int:

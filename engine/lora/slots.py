@@ -110,6 +110,7 @@ class LoRASlots:
             yield
         finally:
             self.capturing = False
+            self._y = None  # the last recorded layer's, from a graph's pool
 
     @staticmethod
     def _views(work: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
