@@ -42,6 +42,7 @@ case "${1:-tests}" in
       tests/gpu/test_fp8_fused_gpu.py
     ;;
   bench)
+    step lora_kernels_$gpu 60 python3 -m benchmarks.gpu.lora_kernels --out "$out/lora_kernels_$gpu.json"
     step lora_step_$gpu 90 python3 -m benchmarks.gpu.lora_step --device cuda --steps 16 \
       --out "$out/lora_step_$gpu.json"
     step moe_models_$gpu 200 python3 -m benchmarks.gpu.moe_models --models mixtral-8x7b:fp8 \
