@@ -1,7 +1,7 @@
 """Give freed heap memory back to the operating system (docs/design.md §3, "Bounded inputs").
 
-gRPC refuses an oversized message on its length prefix, but the HTTP/2 frames already in
-flight are read into heap buffers first; freed, they stay in glibc's arenas (one per
+gRPC refuses an oversized message only once it holds it whole, so its HTTP/2 frames are
+read into heap buffers first; freed, they stay in glibc's arenas (one per
 thread that touched them), so a burst of refused 40 MiB messages left a decode 300 MiB
 larger for good. :class:`MemoryTrimmer` watches the process's resident size from a daemon
 thread and calls ``malloc_trim(0)`` when it is ``slack_bytes`` above its floor (the

@@ -78,23 +78,20 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 def _denial(
     handler: grpc.RpcMethodHandler, trailing: tuple[tuple[str, str], ...]
 ) -> grpc.RpcMethodHandler:
-    """A handler that refuses UNAUTHENTICATED (with ``trailing`` metadata) and never
-    parses the request (no request_deserializer)."""
+    """A handler that refuses UNAUTHENTICATED (with ``trailing`` metadata) without reading
+    the request at all. It is request-streaming whatever the RPC's kind: gRPC's server
+    reads a unary request in full before it calls the handler, and the transport opens the
+    stream's window to the whole announced message, so a unary refusal would come only
+    after a 40 MiB message had been received (the size check runs on the complete message).
+    A streaming handler that never reads leaves the client stuck at the stream's first
+    window; the refusal ends the call at once (the wire format is the same)."""
 
-    async def deny_unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE, trailing)
-
-    async def deny_stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def deny(_requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE, trailing)
         yield  # pragma: no cover - abort raises; this makes the function a generator
 
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(deny_stream)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(deny_unary)
-    return grpc.unary_unary_rpc_method_handler(deny_unary)
+    del handler  # its kind does not matter: see above
+    return grpc.stream_stream_rpc_method_handler(deny)
 
 
 class AllowedClientsInterceptor(grpc.aio.ServerInterceptor):

@@ -43,11 +43,11 @@ Register = Callable[[grpc.aio.Server, EngineServiceCore, Any], list[str]]
 
 
 def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Server options. The receive limit is checked by gRPC on the message's length prefix
-    before the body is parsed, so a huge message (even an unauthenticated one, whose
-    metadata the token interceptor checks only once it has the whole message) is refused
-    with RESOURCE_EXHAUSTED; the frames already read are freed, and ``MemoryTrimmer``
-    returns them to the OS (docs/design.md §3, "Bounded inputs"); docs/running.md sizes it."""
+    """Server options. The receive limit is checked by gRPC once it holds the whole message
+    (before it is parsed), so a huge authenticated message is refused RESOURCE_EXHAUSTED;
+    an unauthenticated one is refused from its metadata before it is read (``service/
+    auth.py``). Frames read and freed go back to the OS through ``MemoryTrimmer``
+    (docs/design.md §3, "Bounded inputs"); docs/running.md sizes the limit."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", 64 << 20),

@@ -22,8 +22,8 @@ from benchmarks.system.chaos_hostile import HOSTILE
 
 
 def _grpc_flood(address: str) -> dict[str, Any]:
-    """32 unauthenticated 40 MiB ``Decode`` messages, 8 at a time (refused from the
-    length prefix)."""
+    """32 unauthenticated 40 MiB ``Decode`` messages, 8 at a time (refused from their
+    metadata, before they are read)."""
     import grpc
 
     from pdserve_api.v1 import pdserve_pb2, pdserve_pb2_grpc

@@ -4,7 +4,7 @@ unrelated stream whose worst stall each phase records.
 - ``squat_decode``: SIGKILL ``decode-0`` and bind its gRPC port before the restart
   (``pdserve up`` must move it to new ports; the router follows the instances file);
 - ``grpc_flood``: unauthenticated 40 MiB ``Decode`` messages to ``decode-0``, 8 at a time
-  (refused from the length prefix; its RSS must not grow);
+  (refused UNAUTHENTICATED before they are read; its RSS must not grow);
 - ``body_flood``: chat bodies just under the router's 4 MiB limit, 8 at once, with the
   most messages allowed (templated and tokenized off the event loop);
 - ``abort_storm``: 500 streams opened and dropped right after their first chunk;
