@@ -8,15 +8,20 @@ holds the tokenizer's xgrammar view and never compiles itself) that forks one ch
 compile. The child limits its address space (``resource.setrlimit(RLIMIT_AS)``: what it
 had at the fork plus ``memory_limit`` bytes), compiles, writes the serialized result back
 and exits, so every byte a compile used is returned when it ends; the helper kills a child
-still running after ``timeout`` seconds. The parent deserializes results on its own
-reader thread: the engine's step loop never waits for a compile
-(docs/guided-and-speculative.md, "Budget").
+still running after ``timeout`` seconds. The parent turns a result back into an object on
+its own reader thread and hands the step loop a ready ``CompiledGrammar``: the step loop
+never waits for a compile or a load (docs/guided-and-speculative.md, "Budget"). The
+compiled grammar (xgrammar's JSON, up to hundreds of MB) travels as a raw payload after
+its message, never inside it: parsing it as part of a JSON message held the engine
+process's GIL for the whole parse (192 ms for a 49 MB grammar, every other thread of the
+engine stopped), while xgrammar's own deserialization lets the step loop run.
 
 Wire: every message on the helper's stdin/stdout and on a child's pipe is an 8-byte
-big-endian length and that many bytes of JSON. Parent -> helper: first
+big-endian length and that many bytes of JSON; a message with ``"payload": n`` is followed
+by ``n`` raw bytes (the compiled grammar's UTF-8 text). Parent -> helper: first
 ``{"tokenizer_info": ..., "share_dir": ...}``, then jobs ``{"id", "kind", "value",
 "timeout", "memory"}``; helper -> parent: ``{"ready": true}``, then one reply per job:
-``{"id", "ok": true, "compiled": ..., "shared": true?}`` (``shared``: loaded from the
+``{"id", "ok": true, "payload": n, "shared": true?}`` + the compiled text (``shared``: loaded from the
 directory other instances' compiles are left in, ``grammar_share.py``) or ``{"id", "ok":
 false, "reason": "timeout" | "memory" | "invalid", "error": ...}``.
 """
@@ -53,9 +58,12 @@ class CompileRefused(Exception):
 
 
 # -- framing ------------------------------------------------------------------------------
-def _frame(msg: dict[str, Any]) -> bytes:
+def _frame(msg: dict[str, Any], payload: bytes = b"") -> bytes:
+    """One message; with ``payload``, its raw bytes follow (``"payload"``: their length)."""
+    if payload:
+        msg = {**msg, "payload": len(payload)}
     body = json.dumps(msg).encode()
-    return len(body).to_bytes(_LEN, "big") + body
+    return len(body).to_bytes(_LEN, "big") + body + payload
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -81,6 +89,19 @@ def _read_frame(fd: int) -> dict[str, Any] | None:
         return None
     body = _read_exact(fd, int.from_bytes(head, "big"))
     return None if body is None else json.loads(body)
+
+
+def _read_payload(fd: int, n: int) -> bytearray | None:
+    """``n`` raw bytes read straight into one buffer (``os.readv`` lets go of the GIL; no
+    join, no copy of a large grammar under the GIL)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        read = os.readv(fd, [view[got:]])
+        if not read:
+            return None
+        got += read
+    return buf
 
 
 # -- parent side --------------------------------------------------------------------------
@@ -170,6 +191,9 @@ class GrammarWorker:
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         while (msg := _read_frame(fd)) is not None:
+            payload = _read_payload(fd, int(msg.get("payload", 0)))
+            if payload is None:
+                break
             with self._lock:
                 future = self._futures.pop(int(msg["id"]), None)
             if future is None:
@@ -182,7 +206,7 @@ class GrammarWorker:
             else:
                 self.compiled += 1
             try:
-                future.set_result(self.decode(msg["compiled"]))
+                future.set_result(self.decode(payload.decode()))
             except Exception as exc:  # noqa: BLE001 - a bad result fails its requests only
                 future.set_exception(CompileRefused("invalid", f"compiled grammar: {exc}"))
         with self._lock:  # the helper is gone: fail what it held; the next submit restarts it
@@ -232,17 +256,19 @@ def _compile_in_child(
     from engine.sampling.guide_parse import parse_guide, parser_message
 
     reply: dict[str, Any] = {"id": job["id"]}
+    compiled = b""
     kind, value = job["kind"], job["value"]
     try:
         _limit_memory(int(job["memory"]))
         text = share.load(kind, value, lambda t: xgr.CompiledGrammar.deserialize_json(t, info))
         if text is not None:
-            reply.update(ok=True, compiled=text, shared=True)
+            reply.update(ok=True, shared=True)
         else:
             grammar = parse_guide(GuidedSpec(kind, value))
             text = compiler.compile_grammar(grammar).serialize_json()
             share.store(kind, value, text)
-            reply.update(ok=True, compiled=text)
+            reply.update(ok=True)
+        compiled = text.encode()
     except MemoryError as exc:
         reply.update(ok=False, reason="memory", error=str(exc))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses the guide
@@ -250,7 +276,7 @@ def _compile_in_child(
         memory = "bad_alloc" in text or "memory" in text.lower()
         reply.update(ok=False, reason="memory" if memory else "invalid", error=text)
     try:
-        _write_all(fd, _frame(reply))
+        _write_all(fd, _frame(reply, compiled))
     finally:
         os._exit(0)
 
@@ -330,10 +356,24 @@ def _finish(
     del children[child.fd]
     _, status = os.waitpid(child.pid, 0)
     data = bytes(child.data)
-    if len(data) >= _LEN and len(data) == _LEN + int.from_bytes(data[:_LEN], "big"):
+    if _whole_reply(data):
         _write_all(out, data)  # the child's own reply, framed already
     else:
         _write_all(out, _frame(_refusal(child, status)))
+
+
+def _whole_reply(data: bytes) -> bool:
+    """Whether ``data`` is exactly one message and its payload (a child's whole reply)."""
+    if len(data) < _LEN:
+        return False
+    end = _LEN + int.from_bytes(data[:_LEN], "big")
+    if len(data) < end:
+        return False
+    try:
+        head = json.loads(data[_LEN:end])
+        return isinstance(head, dict) and len(data) == end + int(head.get("payload", 0))
+    except (ValueError, TypeError):
+        return False
 
 
 if __name__ == "__main__":

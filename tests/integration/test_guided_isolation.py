@@ -8,18 +8,26 @@ SmolLM2's vocabulary (about 2.5 s on the 2-core machine). Here, with real helper
   refused naming the limit, the guide is then refused at once, the engine process did not
   grow by the compile's memory, and no compile child is left behind;
 - over ``guided_compile_timeout`` (0.5 s) the child is killed and the request refused naming
-  that limit, while a plain request beside it ran all its steps during the compile.
+  that limit, while a plain request beside it ran all its steps during the compile;
+- a compiled grammar (MBs of xgrammar JSON) reaches the step loop as a ready object, made
+  on the helper's reader thread, and the engine process never parses it as part of a JSON
+  message (that parse held the GIL, so every thread of the engine, the step loop's
+  included, stopped for it: 192 ms for a 49 MB grammar, issue 36).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from typing import Any
 
 import pytest
 
 from engine.core.guided_spec import GuidedSpec
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.sampling import grammar_worker
 from engine.sampling.guided import GUIDE_REFUSED
 from tests.engine_steps import outputs_until_done
 
@@ -92,3 +100,36 @@ def test_compile_over_its_time_budget_is_killed_while_others_step(engine_factory
     assert "--guided-compile-timeout" in errors["bomb"] and f"{TIME_BUDGET_S:g} s" in errors["bomb"]
     helper = engine.guided._worker._proc  # noqa: SLF001
     assert _children_of(helper.pid) == []
+
+
+def test_a_compiled_grammar_reaches_the_step_loop_ready_and_unparsed(
+    engine_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_factory()
+    parsed: list[int] = []  # sizes of the JSON documents the engine process parsed
+    decoded_on: list[int] = []  # threads that turned a result into an object
+
+    class RecordingJson:
+        dumps = staticmethod(json.dumps)
+
+        @staticmethod
+        def loads(doc: Any) -> Any:
+            parsed.append(len(doc))
+            return json.loads(doc)
+
+    monkeypatch.setattr(grammar_worker, "json", RecordingJson)
+    worker = engine.guided._get_worker()  # noqa: SLF001 - wrap its decode to see its thread
+    decode = worker.decode
+
+    def recording_decode(text: str) -> Any:
+        decoded_on.append(threading.get_ident())
+        return decode(text)
+
+    worker.decode = recording_decode
+    choices = [f"option {i} " + "q" * 30 for i in range(300)]
+    engine.add_request("g", [1, 2, 3], SamplingParams(max_tokens=40, guided=GuidedSpec.choice(choices)))  # fmt: skip
+    tokens, errors, _ = _run(engine)
+    assert "g" not in errors
+    assert engine.tokenizer.decode(tokens["g"], skip_special_tokens=True) in choices
+    assert decoded_on and threading.get_ident() not in decoded_on  # never on the step loop
+    assert max(parsed) < 4096, f"the engine parsed a {max(parsed)}-byte JSON message"
