@@ -26,8 +26,12 @@ ARCHS = (
 # DeepSeek's YaRN original context: the longer test prompts pass it.
 DEEPSEEK_ORIGINAL_MAX = 64
 # gpt-oss's SwiGLU clamp, low enough that these tiny random activations cross it (7 in
-# the released models) so the clamp is exercised; YaRN over a short original context.
+# the released models) so the clamp is exercised; YaRN over a short original context,
+# which the context length is the factor times (as in the released configs; transformers
+# warns of a mismatch otherwise).
 GPT_OSS_LIMIT = 0.5
+GPT_OSS_ORIGINAL_MAX = 64
+GPT_OSS_YARN_FACTOR = 8.0
 # Phi-3's longrope switches to the long factors at this position (tests cross it).
 PHI3_ORIGINAL_MAX = 128
 
@@ -85,10 +89,12 @@ def _spec(arch: str) -> tuple[Any, Any, dict[str, Any]]:
         return _deepseek(arch)
     if arch == "gpt_oss":
         rope = {
-            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+            "rope_type": "yarn", "factor": GPT_OSS_YARN_FACTOR, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+            "original_max_position_embeddings": GPT_OSS_ORIGINAL_MAX,
         }  # fmt: skip
         extra = {
+            "max_position_embeddings": int(GPT_OSS_YARN_FACTOR * GPT_OSS_ORIGINAL_MAX),
             "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
             "sliding_window": WINDOW, "rope_parameters": rope, "swiglu_limit": GPT_OSS_LIMIT,
             "num_hidden_layers": 3,  # sliding, full, sliding
@@ -155,3 +161,34 @@ def make_tiny_arch(arch: str, out_dir: str | Path, seed: int = 0, **overrides: A
     """A tiny random model of ``arch`` (one of ARCHS) saved into ``out_dir``."""
     config_cls, model_cls, extra = _spec(arch)
     return save_tiny_model(config_cls, model_cls, out_dir, seed, _TINY_SHAPE | extra | overrides)
+
+
+def load_reference(model_dir: str | Path, dtype: Any = None) -> Any:
+    """transformers' model of a tiny architecture in ``dtype`` (float32 by default) with
+    eager attention (the reference path for windows, soft-caps and sinks), in eval mode,
+    holding the checkpoint's own gpt-oss SwiGLU constants (``match_swiglu_to_config``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype or torch.float32, attn_implementation="eager"
+    ).eval()
+    match_swiglu_to_config(model)
+    return model
+
+
+def match_swiglu_to_config(model: Any) -> int:
+    """Give transformers' gpt-oss experts the ``swiglu_limit``/``swiglu_alpha`` of the
+    model's config; returns how many expert modules there are.
+
+    Some transformers releases (5.17, the GPU machines' image) fix them at 7.0 and 1.702 in
+    ``GptOssExperts`` and ignore the config's fields, which later ones read. The tiny
+    gpt-oss sets the limit to ``GPT_OSS_LIMIT`` so that its clamp is crossed, and the
+    engine honours the config, so under such a release the reference is another model:
+    the bf16 GPU test saw a top-1 agreement of 0.25 from this alone (docs/models.md)."""
+    cfg = model.config
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    for m in experts:
+        m.limit = float(getattr(cfg, "swiglu_limit", None) or 7.0)
+        m.alpha = float(getattr(cfg, "swiglu_alpha", None) or 1.702)
+    return len(experts)

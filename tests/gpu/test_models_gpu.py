@@ -55,12 +55,12 @@ def _free_gpu_memory() -> Iterator[None]:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch", GPU_ARCHS)
 def test_bf16_agrees_with_transformers(tmp_path: Path, arch: str, graphs: bool) -> None:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     from engine.config import EngineConfig
     from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from tests.arch_fixtures import make_tiny_arch
+    from tests.arch_fixtures import load_reference, make_tiny_arch
 
     model_dir = make_tiny_arch(arch, tmp_path / arch)
     rng = random.Random(4)
@@ -81,13 +81,7 @@ def test_bf16_agrees_with_transformers(tmp_path: Path, arch: str, graphs: bool) 
             tokens[out.request_id] += out.new_token_ids
             lps[out.request_id] += [lp.logprob for lp in out.logprobs or []]
     engine.shutdown()
-    ref = (
-        AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="eager"
-        )
-        .cuda()
-        .eval()
-    )
+    ref = load_reference(model_dir).cuda()
     same = total = 0
     worst = 0.0
     with torch.inference_mode():
@@ -101,7 +95,10 @@ def test_bf16_agrees_with_transformers(tmp_path: Path, arch: str, graphs: bool) 
             chosen = logp[torch.arange(len(ours)), torch.tensor(ours)].tolist()
             worst = max(worst, *(abs(a - b) for a, b in zip(chosen, lps[f"r{i}"], strict=True)))
     top1 = same / total
-    print(f"{arch} graphs={graphs}: top-1 agreement {top1:.3f}, max logprob error {worst:.4f}")
+    print(
+        f"{arch} graphs={graphs}: top-1 agreement {top1:.3f}, max logprob error {worst:.4f} "
+        f"(transformers {transformers.__version__})"
+    )
     assert top1 >= MIN_TOP1 and worst <= MAX_LOGPROB_ERR
 
 

@@ -10,11 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from tests.arch_fixtures import ARCHS, PHI3_ORIGINAL_MAX, make_tiny_arch
+from tests.arch_fixtures import ARCHS, PHI3_ORIGINAL_MAX, load_reference, make_tiny_arch
 from tests.integration.test_engine_parity import _run_staggered
 from tests.model_fixtures import argmax_continuations
 
@@ -36,12 +35,7 @@ def arch_prompts(seed: int) -> list[list[int]]:
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """transformers' greedy tokens with its own KV cache (eager attention: the reference
     path for soft-capping and windows)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return argmax_continuations(model, prompts, max_new)
+    return argmax_continuations(load_reference(model_dir), prompts, max_new)
 
 
 @pytest.fixture(scope="module")
