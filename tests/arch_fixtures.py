@@ -27,8 +27,8 @@ ARCHS = (
 DEEPSEEK_ORIGINAL_MAX = 64
 # gpt-oss's SwiGLU clamp, low enough that these tiny random activations cross it (7 in
 # the released models) so the clamp is exercised; YaRN over a short original context,
-# which the context length is the factor times (as in the released configs; transformers
-# warns of a mismatch otherwise).
+# the model's context being the factor times it (as in the released configs;
+# transformers warns of the mismatch otherwise).
 GPT_OSS_LIMIT = 0.5
 GPT_OSS_ORIGINAL_MAX = 64
 GPT_OSS_YARN_FACTOR = 8.0
