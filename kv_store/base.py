@@ -217,7 +217,7 @@ class KVConnectorWorker(abc.ABC):
                 f"the {self.name!r} KV connector cannot serve tensor_parallel_size > 1 or "
                 "pipeline_parallel_size > 1 (no "
                 "worker per rank can be built for it; LMCache keys KV by token prefix, not "
-                "per-rank records); use --connector fs, redis or p2p"
+                "per-rank records); use --connector fs, redis, p2p or nixl"
             )
 
 

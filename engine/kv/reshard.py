@@ -18,8 +18,9 @@ from engine.models.stages import Stage
 from kv_store.reshard import Owned, Reshard, covered
 
 # The handle connectors whose loads can re-cut blocks (fs, redis: per-process records;
-# p2p: per-process leases, kv_store/p2p/reshard_pull.py). LMCache runs only on 1 x 1 grids, so it never meets another.
-RESHARD_CONNECTORS = frozenset({"fs", "redis", "p2p"})
+# p2p: per-process leases, kv_store/p2p/reshard_pull.py; nixl: per-process leases read by
+# NIXL, kv_store/nixl/recut.py). LMCache runs only on 1 x 1 grids, so it never meets another.
+RESHARD_CONNECTORS = frozenset({"fs", "redis", "p2p", "nixl"})
 
 
 def grid_owned(args: ModelArgs, pp: int, tp: int) -> list[Owned]:
@@ -67,7 +68,7 @@ def plan_reshard(
         raise ValueError(
             f"the {connector!r} connector cannot move KV between unlike grids ({sides}); "
             "run both pools with the same --tensor-parallel-size and "
-            "--pipeline-parallel-size, or use fs, redis or p2p"
+            "--pipeline-parallel-size, or use fs, redis, p2p or nixl"
         )
     sp, st = (
         pipeline_parallel_size_of(source_fingerprint),

@@ -17,12 +17,13 @@ import logging
 import os
 import sys
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_store.base import byte_view
+from kv_store.base import KvLayout, byte_view
 from kv_store.nixl.card import Card
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,49 @@ def _descs(base: int, count: int, size: int, device: int) -> np.ndarray:
     return out
 
 
-def block_indices(block_ids: list[int], regions: int, num_blocks: int) -> np.ndarray:
-    """Descriptor indices of ``block_ids``: region-major, so both sides' lists line up."""
+def layout_dict(layout: KvLayout) -> dict[str, Any]:
+    """The KV layout as a card and a pin carry it (the plane count only when it is not K
+    and V, as p2p's hello)."""
+    out: dict[str, Any] = {
+        "version": layout.version,
+        "dtype": layout.dtype,
+        "block_size": layout.block_size,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+    }
+    if layout.planes != 2:
+        out["planes"] = layout.planes
+    return out
+
+
+def block_indices(block_ids: list[int], regions: Any, num_blocks: int) -> np.ndarray:
+    """Descriptor indices of ``block_ids`` in ``regions`` (a count: all of them, or the
+    region numbers): region-major, so both sides' lists line up."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    idx = np.arange(regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+    rows = np.arange(regions) if isinstance(regions, int) else np.asarray(regions)
+    idx = rows.astype(np.int64)[:, None] * num_blocks + ids[None, :]
     return idx.ravel()
+
+
+@dataclass(slots=True)
+class Span:
+    """Where a READ lands: a prepared local list of ``regions x num_blocks`` chunks (the
+    pool, or a scratch buffer), the region rows used and the blocks."""
+
+    dlist: Any
+    num_blocks: int
+    regions: Any  # int (all rows) or the row numbers
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class Scratch:
+    """A buffer registered for one load's READs (a re-cut: ``recut.py``)."""
+
+    tensor: torch.Tensor
+    reg: Any
+    dlist: Any
 
 
 class PoolAgent:
@@ -152,22 +191,54 @@ class PoolAgent:
 
     # -- transfers ----------------------------------------------------------------------------
     def read(
-        self, card: Card, src_ids: list[int], dst_ids: list[int], notif: bytes
+        self,
+        card: Card,
+        src_ids: list[int],
+        dst: Span,
+        notif: bytes,
+        src_regions: Any = None,
     ) -> tuple[Any, str]:
-        """Post a READ of the peer's blocks ``src_ids`` into ours ``dst_ids``; the peer gets
-        ``notif`` once the data has moved. Returns (handle, "DONE" | "PROC" | "ERR")."""
+        """Post a READ of the peer's blocks ``src_ids`` (region rows ``src_regions``, all
+        by default) into ``dst``; the peer gets ``notif`` once the data has moved. Returns
+        (handle, "DONE" | "PROC" | "ERR")."""
         remote = self.remote_dlist(card)
-        local_idx = block_indices(dst_ids, self.regions, self.num_blocks)
-        remote_idx = block_indices(src_ids, card.regions, card.num_blocks)
+        rows = card.regions if src_regions is None else src_regions
+        local_idx = block_indices(dst.block_ids, dst.regions, dst.num_blocks)
+        remote_idx = block_indices(src_ids, rows, card.num_blocks)
         handle = self.agent.make_prepped_xfer(
             "READ",
-            self.local,
+            dst.dlist,
             local_idx.astype(np.int32),
             remote,
             remote_idx.astype(np.int32),
             notif,
         )
         return handle, self.agent.transfer(handle)
+
+    def pool_span(self, block_ids: list[int], regions: Any = None) -> Span:
+        """Blocks ``block_ids`` of this engine's pool (region rows ``regions``, all by
+        default) as a READ's destination."""
+        rows = self.regions if regions is None else regions
+        return Span(self.local, self.num_blocks, rows, block_ids)
+
+    def scratch(self, shape: tuple[int, ...], like: torch.Tensor) -> Scratch:
+        """A ``[regions..., blocks, ...]`` buffer shaped like a cache (``shape``: layers,
+        planes, blocks, block size, heads, dim), registered and prepared as chunks of
+        one (layer, plane) of one block each; ``release_scratch`` undoes it."""
+        tensor = torch.empty(shape, dtype=like.dtype, device=like.device)
+        raw = byte_view(tensor)
+        base, nbytes = raw.data_ptr(), raw.numel() * raw.element_size()
+        reg = self.agent.register_memory([(base, nbytes, self.device, "")], self.mem)
+        count = shape[0] * shape[1] * shape[2]
+        chunk = nbytes // count
+        dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(base, count, chunk, self.device), self.mem
+        )
+        return Scratch(tensor, reg, dlist)
+
+    def release_scratch(self, scratch: Scratch) -> None:
+        self._release(scratch.dlist.release)
+        self._release(lambda: self.agent.deregister_memory(scratch.reg))
 
     def state(self, handle: Any) -> str:
         return str(self.agent.check_xfer_state(handle))

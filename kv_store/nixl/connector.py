@@ -24,10 +24,11 @@ import time
 import torch
 
 from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
-from kv_store.nixl.agent import PoolAgent, load_nixl
+from kv_store.nixl.agent import PoolAgent, layout_dict, load_nixl
 from kv_store.nixl.card import CardError, transfer_id, unpack
 from kv_store.nixl.holder import Holder
 from kv_store.nixl.puller import Pull, Puller
+from kv_store.nixl.recut import Recut
 from kv_store.p2p.leases import Lease, LeaseTable
 from kv_store.p2p.mover import record_ready
 from kv_store.p2p.stats import P2PCounters, P2PStats
@@ -61,6 +62,7 @@ class NixlConnector(KVConnector):
         self._closed = threading.Event()
         self._agent: PoolAgent | None = None
         self._kv: torch.Tensor | None = None
+        self._layout: KvLayout | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -90,18 +92,8 @@ class NixlConnector(KVConnector):
             raise ValueError("kv_cache must be contiguous and the fingerprint non-empty")
         if self._agent is not None:
             raise RuntimeError("NixlConnector: bind_kv_cache() was called already")
-        layout_dict = {
-            "version": layout.version,
-            "dtype": layout.dtype,
-            "block_size": layout.block_size,
-            "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim,
-        }
-        if layout.planes != 2:  # as p2p's hello: K/V layouts keep their dict
-            layout_dict["planes"] = layout.planes
-        self._kv = kv_cache
-        self._agent = agent = PoolAgent(kv_cache, layout_dict, model_fingerprint)
+        self._kv, self._layout = kv_cache, layout
+        self._agent = agent = PoolAgent(kv_cache, layout_dict(layout), model_fingerprint)
         self._card_text = agent.card.encode()
         self._holder = Holder(agent, self.leases, self.p2p, self._token, self.timeout_s)
         self._puller = Puller(agent, self.p2p, self._results.put, self._token, self.timeout_s)
@@ -137,7 +129,8 @@ class NixlConnector(KVConnector):
 
     # -- decode side ------------------------------------------------------------------------
     def start_load(self, transfer: KVTransfer) -> None:
-        """Queue a pull of blocks ``start_block..`` named by the handle; never blocks."""
+        """Queue a pull of blocks ``start_block..`` named by the handle (of another grid:
+        a re-cut, ``recut.py``); never blocks."""
         kv = self._bound()
         self._check_ids(transfer, kv)
         if self._closed.is_set():
@@ -203,7 +196,13 @@ class NixlConnector(KVConnector):
     def _tick(self) -> bool:
         assert self._agent is not None
         while not self._inbox.empty():
-            self._puller.start(self._inbox.get_nowait())
+            pull = self._inbox.get_nowait()
+            if pull.transfer.reshard is None:
+                self._puller.start(pull)
+            else:  # blocks another grid split: read each source's part (recut.py)
+                assert self._kv is not None and self._layout is not None
+                kv, layout, agent = self._kv, self._layout, self._agent
+                Recut(pull, agent, self._puller, kv, layout, self._results.put).start()
         for sender, messages in self._agent.notifications().items():
             for raw in messages:
                 try:

@@ -9,7 +9,10 @@ prompt, another model — is refused with a reason and nothing is pinned. The RE
 runs without this side doing anything; its ``done`` notification ends the lease as
 ``pulled`` (or as the abort that came meanwhile). A pin that sees neither ``done`` nor
 ``fail`` within twice the pull timeout (the decode died mid-READ) is dropped, and the
-lease then ends at its own expiry. Rules: docs/design.md §3 "nixl".
+lease then ends at its own expiry. A lease that several decode processes of another grid
+each read a part of (``pullers`` in the pin, docs/design.md §3 "KV between unlike grids")
+takes that many pins, at once, and ends with the last ``done``. Rules: docs/design.md §3
+"nixl".
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kv_store.p2p.wire import PeerError
 
 logger = logging.getLogger(__name__)
 
+MAX_PULLERS = 1024  # decode processes that may share one lease (as p2p's server)
+
 
 @dataclass(slots=True)
 class _Pin:
@@ -37,6 +42,7 @@ class _Pin:
     until: float
     t0: float
     nblocks: int
+    nbytes: int
 
 
 class Holder:
@@ -52,7 +58,7 @@ class Holder:
     ) -> None:
         self._agent, self._leases, self._counters = agent, leases, counters
         self._token, self._timeout_s = token, timeout_s
-        self._pins: dict[str, _Pin] = {}  # lease id -> pin
+        self._pins: dict[tuple[str, str], _Pin] = {}  # (decode agent, pull id) -> pin
 
     @property
     def busy(self) -> bool:
@@ -82,6 +88,8 @@ class Holder:
     def _pin(self, sender: str, msg: dict[str, Any]) -> None:
         pull = str(msg.get("pull", ""))
         try:
+            if (sender, pull) in self._pins:  # a repeated pin: one pin per pull
+                raise PeerError(f"pull {pull!r} holds a pin already", "busy")
             lease = self._claim(msg)
         except (PeerError, CardError) as e:
             self._counters.failed(e.reason)
@@ -91,12 +99,17 @@ class Holder:
         if lease.ready is not None:
             lease.ready.synchronize()  # the KV is written before anyone reads it
         nblocks = len(msg["ids"])
+        # The reader's count (a re-cut reads some layers); only a statistic.
+        nbytes = msg.get("bytes")
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= nblocks * self._agent.block_bytes:
+            nbytes = nblocks * self._agent.block_bytes
         now = time.monotonic()
-        pin = _Pin(lease, sender, pull, now + 2 * self._timeout_s, time.perf_counter(), nblocks)
-        self._pins[lease.transfer_id] = pin
+        until = now + 2 * self._timeout_s
+        key = (sender, pull)
+        self._pins[key] = _Pin(lease, sender, pull, until, time.perf_counter(), nblocks, nbytes)
         reply = pack({"op": "pinned", "pull": pull, "ok": True}, self._token)
         if not self._agent.notify(sender, reply):
-            del self._pins[lease.transfer_id]
+            del self._pins[key]
             self._leases.unpin(lease, None)
 
     def _claim(self, msg: dict[str, Any]) -> Lease:
@@ -104,10 +117,12 @@ class Holder:
         lay = self._agent.card
         if msg.get("fp") != lay.fingerprint or msg.get("layout") != lay.layout:
             raise PeerError("the peer runs a different model or KV layout", "layout")
-        ids, start = msg.get("ids"), msg.get("start")
+        ids, start, pullers = msg.get("ids"), msg.get("start"), msg.get("pullers", 1)
         if not isinstance(ids, list) or not isinstance(start, int) or start < 0:
             raise CardError("malformed pin")
-        lease = self._leases.pin(str(msg.get("lease", "")))
+        if not isinstance(pullers, int) or not 1 <= pullers <= MAX_PULLERS:
+            raise CardError(f"pullers must be 1..{MAX_PULLERS}, got {pullers!r}")
+        lease = self._leases.pin(str(msg.get("lease", "")), pullers)
         try:
             if ids != lease.block_ids[start:]:
                 raise PeerError("the descriptors are not the lease's blocks", "forged")
@@ -119,19 +134,20 @@ class Holder:
         return lease
 
     def _finish(self, sender: str, msg: dict[str, Any], done: bool) -> None:
-        lease_id = str(msg.get("lease", ""))
-        pin = self._pins.get(lease_id)
-        if pin is None or pin.agent != sender or pin.pull != msg.get("pull"):
+        key = (sender, str(msg.get("pull", "")))
+        pin = self._pins.get(key)
+        if pin is None or pin.lease.transfer_id != msg.get("lease"):
             return  # late (the pin expired) or not this peer's
-        del self._pins[lease_id]
+        del self._pins[key]
         if done:
-            nbytes = pin.nblocks * self._agent.block_bytes
-            self._counters.transferred("send", pin.nblocks, nbytes, time.perf_counter() - pin.t0)
+            seconds = time.perf_counter() - pin.t0
+            self._counters.transferred("send", pin.nblocks, pin.nbytes, seconds)
         self._leases.unpin(pin.lease, "pulled" if done else None)
 
     def reap(self, now: float) -> None:
-        for lease_id in [k for k, p in self._pins.items() if p.until <= now]:
-            pin = self._pins.pop(lease_id)
+        for key in [k for k, p in self._pins.items() if p.until <= now]:
+            pin = self._pins.pop(key)
+            lease_id = pin.lease.transfer_id
             logger.warning("nixl: the pull of %s by %s never finished", lease_id, pin.agent)
             self._counters.failed("timeout")
             self._leases.unpin(pin.lease, None)

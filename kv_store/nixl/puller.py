@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_store.base import KVTransfer, TransferResult
-from kv_store.nixl.agent import PoolAgent
+from kv_store.nixl.agent import PoolAgent, Span
 from kv_store.nixl.card import Card, CardError, hashes_digest, pack, parse_transfer_id
 from kv_store.p2p.stats import P2PCounters
 
@@ -32,13 +32,23 @@ CANCEL_GRACE = 3.0  # pull timeouts to wait for an uncancellable READ before rep
 
 @dataclass(slots=True)
 class Pull:
+    """One READ from one prefill agent. A plain load is one; a re-cut load (``recut.py``)
+    is one per prefill process it reads, each reporting to its ``sink``."""
+
     transfer: KVTransfer
     deadline: float
     ready: Any  # CUDA event: the engine is done with the destination blocks (None: CPU)
     pull_id: str = ""
     card: Card | None = None
     lease_id: str = ""
-    src_ids: list[int] | None = None
+    src_ids: list[int] | None = None  # the lease's blocks to read (empty: release it only)
+    start: int = 0  # index of src_ids[0] in the lease (the pin's "start")
+    dst: Span | None = None  # where the READ lands
+    src_regions: Any = None  # the source's region rows read (None: all)
+    expect: tuple[str, dict[str, Any]] | None = None  # the prefill's (fingerprint, layout)
+    pullers: int = 1  # decode processes sharing the lease (a re-cut)
+    sink: Callable[[TransferResult], None] | None = None  # None: the connector's results
+    nbytes: int = 0
     state: str = "new"  # new | pinning | reading | cancelling
     handle: Any = None
     t0: float = 0.0
@@ -65,26 +75,42 @@ class Puller:
         return len(self._pulls)
 
     def start(self, pull: Pull) -> None:
+        """A load between like grids: the handle's one card, the blocks into the pool. A
+        load of no blocks (the engine dropped the request) pins nothing to read and only
+        ends the prefill's hold."""
         t = pull.transfer
-        pull.pull_id, pull.t0 = secrets.token_hex(8), time.perf_counter()
+        pull.t0 = time.perf_counter()
         try:
             pull.card = card = Card.decode(t.source_address)
             pull.lease_id, ids = parse_transfer_id(t.transfer_id)
         except CardError as e:
             self._fail(pull, e.reason, str(e))
             return
-        mine = self._agent.card
-        if card.fingerprint != mine.fingerprint or card.layout != mine.layout:
-            self._fail(pull, "layout", "the prefill runs a different model or KV layout")
-            return
         want = len(t.block_ids) - t.start_block
-        pull.src_ids = ids[t.start_block :] if len(ids) == len(t.block_ids) else None
+        if not t.block_ids:
+            pull.src_ids, pull.start = [], len(ids)
+        elif len(ids) == len(t.block_ids):
+            pull.src_ids, pull.start = ids[t.start_block :], t.start_block
         if (
             pull.src_ids is None
             or len(pull.src_ids) != want
             or max(ids, default=0) >= card.num_blocks
         ):
             self._fail(pull, "protocol", "the handle's descriptors do not fit the request")
+            return
+        pull.dst = self._agent.pool_span(t.block_ids[t.start_block :])
+        pull.nbytes = want * self._agent.block_bytes
+        self.begin(pull)
+
+    def begin(self, pull: Pull) -> None:
+        """Pin ``pull``'s blocks at its prefill (``card``, ``lease_id``, ``src_ids`` and
+        ``dst`` set); the READ follows the ``pinned`` answer."""
+        t, card, mine = pull.transfer, pull.card, self._agent.card
+        assert card is not None and pull.src_ids is not None
+        pull.pull_id, pull.t0 = secrets.token_hex(8), pull.t0 or time.perf_counter()
+        fingerprint, layout = pull.expect or (mine.fingerprint, mine.layout)
+        if card.fingerprint != fingerprint or card.layout != layout:
+            self._fail(pull, "layout", "the prefill runs a different model or KV layout")
             return
         if pull.ready is not None:
             pull.ready.synchronize()  # the engine's last use of the destination blocks
@@ -102,12 +128,15 @@ class Puller:
             "op": "pin",
             "lease": pull.lease_id,
             "pull": pull.pull_id,
-            "start": t.start_block,
+            "start": pull.start,
             "ids": pull.src_ids,
-            "digest": hashes_digest(t.block_hashes[t.start_block :]),
-            "fp": mine.fingerprint,
-            "layout": mine.layout,
+            "digest": hashes_digest(t.block_hashes[pull.start :]),
+            "fp": fingerprint,
+            "layout": layout,
+            "bytes": pull.nbytes,
         }
+        if pull.pullers > 1:
+            pin["pullers"] = pull.pullers
         if not self._agent.notify(card.agent, pack(pin, self._token)):
             self._fail(pull, "unreachable", f"nixl peer {card.agent} cannot be notified")
             return
@@ -123,8 +152,7 @@ class Puller:
             reason = str(msg.get("reason", "missing"))
             self._fail(pull, reason, str(msg.get("error", "pin refused")))
             return
-        t = pull.transfer
-        assert pull.src_ids is not None
+        assert pull.src_ids is not None and pull.dst is not None
         done = {"op": "done", "lease": pull.lease_id, "pull": pull.pull_id}
         if not pull.src_ids:  # nothing to read (all cached here, or aborted): just release
             self._agent.notify(sender, pack(done, self._token))
@@ -132,7 +160,7 @@ class Puller:
             return
         try:
             pull.handle, status = self._agent.read(
-                pull.card, pull.src_ids, t.block_ids[t.start_block :], pack(done, self._token)
+                pull.card, pull.src_ids, pull.dst, pack(done, self._token), pull.src_regions
             )
         except Exception as e:  # noqa: BLE001 - the backend refused the descriptors
             self._abandon(pull, "protocol", f"nixl READ refused: {e}")
@@ -164,14 +192,12 @@ class Puller:
         if pull.handle is not None:
             self._agent.release(pull.handle)
         del self._pulls[pull.pull_id]
-        t = pull.transfer
-        n = len(t.block_ids) - t.start_block
-        nbytes = n * self._agent.block_bytes
-        seconds = time.perf_counter() - pull.t0
-        self._counters.transferred("recv", n, nbytes, seconds)
-        res = TransferResult(t.request_id, "load", True, num_loaded_blocks=n)
-        res.bytes_moved, res.seconds = nbytes, seconds
-        self._on_result(res)
+        assert pull.src_ids is not None
+        n, seconds = len(pull.src_ids), time.perf_counter() - pull.t0
+        self._counters.transferred("recv", n, pull.nbytes, seconds)
+        res = TransferResult(pull.transfer.request_id, "load", True, num_loaded_blocks=n)
+        res.bytes_moved, res.seconds = pull.nbytes, seconds
+        (pull.sink or self._on_result)(res)
 
     def _abandon(self, pull: Pull, reason: str, error: str) -> None:
         """Fail a pull the prefill pinned: tell it, and stop the READ before reporting."""
@@ -204,7 +230,7 @@ class Puller:
         logger.warning("nixl pull for %s failed (%s): %s", pull.transfer.request_id, reason, error)
         res = TransferResult(pull.transfer.request_id, "load", False, failure_reason=reason)
         res.error = error
-        self._on_result(res)
+        (pull.sink or self._on_result)(res)
 
     def close(self) -> None:
         for pull in list(self._pulls.values()):

@@ -93,3 +93,19 @@ def test_engine_handoff_tokens_equal_colocated() -> None:
             for out in engine.step():
                 tokens += out.new_token_ids
         assert row["tokens"][: len(tokens)] == tokens, (row["tokens"], tokens)
+
+
+@pytest.mark.parametrize(("src", "dst", "kv_heads"), [((1, 1), (1, 2), 4), ((2, 2), (1, 1), 4)])
+def test_recut_between_unlike_grids_on_the_gpu(
+    src: tuple[int, int], dst: tuple[int, int], kv_heads: int
+) -> None:
+    """VRAM pools of two grids (agents in this process): each decode process READs its cells
+    (heads through a registered VRAM scratch, layers straight into the pool)."""
+    from tests.integration.test_nixl_recut import check_recut
+
+    connectors: list = []
+    try:
+        check_recut(connectors, src, dst, kv_heads, device="cuda")
+    finally:
+        for c in connectors:
+            c.close()

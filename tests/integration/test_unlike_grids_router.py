@@ -5,11 +5,13 @@ process, N = P = 1) when
 - a tiny Qwen3-MoE prefill of tensor-parallel size 1 hands off over p2p to a decode of
   size 2 (both decode ranks pull the one lease, each its KV heads), and
 - SmolLM2-135M prefills as a 2-stage pipeline and hands off over fs to a decode of one
-  stage (it reads both stages' records, each its layers).
+  stage (it reads both stages' records, each its layers), and
+- the tiny Qwen3-MoE prefills with tensor-parallel size 2 and hands off over nixl to a
+  decode of size 1 (it READs both prefill ranks' leases and joins their heads).
 
 Every prompt's blocks arrive by handoff (the decode computes none of them). The full
 matrix (1 -> 2, 2 -> 1, PP 2 -> 1, PP 1 -> 2 over fs and p2p) runs service to service in
-``test_tp_pd.py`` and ``test_pp_pd.py``.
+``test_tp_pd.py`` and ``test_pp_pd.py``, nixl's in ``test_nixl_grids.py``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ def test_moe_tp1_prefill_to_tp2_decode_over_p2p(tmp_path: Path) -> None:
     model = make_tiny_arch("qwen3_moe", tmp_path / "moe")
     connector = ("--connector", "p2p", "--p2p-timeout", "20")
     for router, decode in _stack(tmp_path, model, connector, (), ("--tensor-parallel-size", "2")):
+        _check(model, router, decode)
+
+
+def test_moe_tp2_prefill_to_tp1_decode_over_nixl(tmp_path: Path) -> None:
+    model = make_tiny_arch("qwen3_moe", tmp_path / "moe")
+    connector = ("--connector", "nixl", "--p2p-timeout", "20")
+    for router, decode in _stack(tmp_path, model, connector, ("--tensor-parallel-size", "2"), ()):
         _check(model, router, decode)
 
 
