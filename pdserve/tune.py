@@ -19,6 +19,7 @@ import re
 import shlex
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,19 @@ def _instances(args: argparse.Namespace) -> tuple[int, int | None]:
     return int(args.gpu_budget // args.gpus_per_instance), int(args.gpu_budget)
 
 
+def visible_gpus(up_args: list[str], environ: Mapping[str, str]) -> int | None:
+    """The GPUs every `pdserve up` may spread over when no --gpu-budget is given: its
+    ``--gpus N`` or ``--gpu-ids`` (from --up-arg), else ``CUDA_VISIBLE_DEVICES``; None
+    when unknown (then no split is dropped for want of GPUs)."""
+    for i, word in enumerate(up_args[:-1]):
+        if word == "--gpus":
+            return int(up_args[i + 1])
+        if word == "--gpu-ids":
+            return len([x for x in up_args[i + 1].split(",") if x.strip()])
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    return len([x for x in visible.split(",") if x.strip()]) if visible else None
+
+
 def tp_sizes(text: str | None, flag: str) -> list[int]:
     """A pool's tensor-parallel sizes to try (a comma list); [1] when unset."""
     return [int(v) for v in _int_list(text, flag) if v is not None] if text else [1]
@@ -178,6 +192,9 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
     if not args.goodput:
         raise ValueError("--goodput is required: tune maximises goodput under these SLOs")
     instances, budget = _instances(args)
+    up_args = [a for item in args.up_arg for a in shlex.split(item)]
+    if budget is None and args.device == "cuda":
+        budget = visible_gpus(up_args, os.environ)
     sizes = {
         "--prefill-tensor-parallel-sizes": tp_sizes(
             args.prefill_tensor_parallel_sizes, "--prefill-tensor-parallel-sizes"
@@ -212,7 +229,7 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
         endpoint=args.endpoint,
         device=args.device,
         connector=args.connector,
-        up_args=[a for item in args.up_arg for a in shlex.split(item)],
+        up_args=up_args,
         pdserve_cmd=shlex.split(args.pdserve_cmd)
         if args.pdserve_cmd
         else [sys.executable, "-m", "pdserve"],

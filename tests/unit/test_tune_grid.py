@@ -250,3 +250,12 @@ def test_tune_flags_make_the_split_grid(tiny_model_dir: Path) -> None:
     assert [(p.prefill_tp, p.decode_tp) for p in plan.grid] == [(1, 1), (1, 2)]
     with pytest.raises(ValueError, match="exactly one"):
         plan_from_args(build_parser().parse_args(argv[:7] + ["--goodput", "e2e:1", "--out", "x"]))
+
+
+def test_visible_gpus_bound_the_splits_on_cuda() -> None:
+    from pdserve.tune import visible_gpus
+
+    assert visible_gpus(["--gpus", "4"], {"CUDA_VISIBLE_DEVICES": "0,1"}) == 4
+    assert visible_gpus(["--gpu-ids", "2,3,5"], {}) == 3
+    assert visible_gpus([], {"CUDA_VISIBLE_DEVICES": "0,1"}) == 2
+    assert visible_gpus([], {}) is None
