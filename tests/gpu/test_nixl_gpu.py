@@ -99,13 +99,27 @@ def test_engine_handoff_tokens_equal_colocated() -> None:
 def test_recut_between_unlike_grids_on_the_gpu(
     src: tuple[int, int], dst: tuple[int, int], kv_heads: int
 ) -> None:
-    """VRAM pools of two grids (agents in this process): each decode process READs its cells
-    (heads through a registered VRAM scratch, layers straight into the pool)."""
-    from tests.integration.test_nixl_recut import check_recut
+    """VRAM pools of two grids, the prefill grid in a process of its own: each decode
+    process READs its cells from the other process (heads through a registered VRAM
+    scratch, layers straight into the pool) and every lease ends as pulled."""
+    import multiprocessing as mp
 
+    from tests.integration.test_nixl_recut import Prefill, read_cells, serve_prefill
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=serve_prefill, args=(child, src, kv_heads, "cuda"))
+    proc.start()
     connectors: list = []
     try:
-        check_recut(connectors, src, dst, kv_heads, device="cuda")
+        assert parent.poll(120), "the prefill grid did not start"
+        handle, fingerprint = parent.recv()
+        read_cells(connectors, Prefill([], handle, fingerprint), src, dst, kv_heads, "cuda")
+        parent.send("done")
+        assert parent.poll(30) and parent.recv(), "a prefill lease did not end as pulled"
     finally:
         for c in connectors:
             c.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -99,17 +100,20 @@ def _load(
     return c, res
 
 
-def check_recut(
-    connectors: list[NixlConnector], src: tuple[int, int], dst: tuple[int, int], kv_heads: int,
-    device: str = "cpu",
+def whole_kv(kv_heads: int, device: str) -> torch.Tensor:
+    """The whole KV both grids split: the same in every process (drawn on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(LAYERS, 2, BLOCKS, BS, kv_heads, DIM, generator=g).to(device)
+
+
+def read_cells(
+    connectors: list[NixlConnector], prefill: Prefill, src: tuple[int, int],
+    dst: tuple[int, int], kv_heads: int, device: str,
 ) -> None:  # fmt: skip
-    """A ``src`` grid's blocks re-cut into every process of a ``dst`` grid (pools on
-    ``device``; the GPU test reuses this): each holds exactly its cells, every lease ends."""
-    torch.manual_seed(0)
+    """Every process of a ``dst`` grid re-cuts ``prefill``'s blocks: each holds exactly its
+    cells of ``whole_kv`` (blocks 1, 4, 6 into 0, 2, 3), nothing else written."""
     args = _args(kv_heads)
-    whole = torch.randn(LAYERS, 2, BLOCKS, BS, kv_heads, DIM, device=device)
-    prefill = _prefill(whole, args, *src)
-    connectors += prefill.connectors
+    whole = whole_kv(kv_heads, device)
     reshard = Reshard(prefill.fingerprint, grid_owned(args, *src), grid_owned(args, *dst))
     for rank, o in enumerate(reshard.dests):
         reshard.dest_rank = rank
@@ -121,7 +125,30 @@ def check_recut(
         assert torch.equal(cache[:, :, [0, 2]], want[:, :, [1, 4]])
         assert torch.equal(cache[:, :, 3, :1], want[:, :, 6, :1])
         assert not cache[:, :, [1, 4, 5, 6, 7]].any()  # nothing else written
-    # Every lease (replicas too) ended as pulled, once every reader was done.
+
+
+def serve_prefill(conn: Any, src: tuple[int, int], kv_heads: int, device: str) -> None:
+    """A prefill grid in a process of its own (the GPU test: READs between processes, as
+    in service): sends its handle, then, when told, whether every lease ended as pulled."""
+    prefill = _prefill(whole_kv(kv_heads, device), _args(kv_heads), *src)
+    try:
+        conn.send((prefill.handle, prefill.fingerprint))
+        conn.recv()
+        ended = all(r.ok for r in prefill.releases())
+        conn.send(ended and all(c.transport_stats().blocks_held == 0 for c in prefill.connectors))
+    finally:
+        for c in prefill.connectors:
+            c.close()
+
+
+def check_recut(
+    connectors: list[NixlConnector], src: tuple[int, int], dst: tuple[int, int], kv_heads: int
+) -> None:
+    """A ``src`` grid's blocks re-cut into every process of a ``dst`` grid; every lease
+    (replicas too) ends as pulled, once every reader was done."""
+    prefill = _prefill(whole_kv(kv_heads, "cpu"), _args(kv_heads), *src)
+    connectors += prefill.connectors
+    read_cells(connectors, prefill, src, dst, kv_heads, "cpu")
     assert all(r.ok for r in prefill.releases()), "a lease did not end as pulled"
     for c in prefill.connectors:
         assert c.transport_stats().blocks_held == 0
