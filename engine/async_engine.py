@@ -5,7 +5,10 @@ kernels, so the asyncio loop stays responsive). Requests and aborts reach it thr
 command queue, in order (an abort never overtakes its own request's add, nor a later
 request that reuses the id), and the engine thread drains every pending command in one pass
 at each step boundary: a storm of cancelled streams costs the engine one pass per step, no
-lock or step per abort. Outputs come back to each request's asyncio queue.
+lock or step per abort. Each step's outputs come back to the event loop in one hand-off
+(one ``call_soon_threadsafe`` per step, not per request), which fans them out to the
+requests' ``OutputStream``s; a stream whose consumer fell behind hands it the queued deltas
+merged into one (engine/output_stream.py, docs/design.md §3 "Output streams").
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from engine.executor import ExecutorFailure
 from engine.kv.events import Held, KvEventPublisher, snapshot_held
 from engine.llm_engine import LLMEngine
 from engine.models import ModelArgs
+from engine.output_stream import OutputStream
 from engine.stats import EngineStats, LoadStats
 from kv_store.base import KVConnector, KvLayout
 
@@ -55,7 +59,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._load = self.engine.get_load()
         self.fatal_error: BaseException | None = None  # set when the engine died for good
         self.kv_events = self._publisher()  # None when KV events are off
@@ -143,7 +147,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream = OutputStream()
         self._streams[request_id] = stream
         self._send(request)
         finished = False
@@ -222,8 +226,7 @@ class AsyncLLMEngine:
                 self._fail_all(exc)
                 continue
             self._load = engine.get_load()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver([(out.request_id, out) for out in outputs])
             if engine.num_steps == steps_before and not outputs:
                 self._wake.wait(_TRANSFER_POLL_S)  # only transfers in flight: poll gently
                 self._wake.clear()
@@ -241,25 +244,41 @@ class AsyncLLMEngine:
             self.kv_events.close("KV events failed on this instance (see its log)")
 
     def _drain_commands(self) -> None:
+        refused: list[tuple[str, RequestOutput | BaseException]] = []
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(cmd, GenerateRequest):
                 try:
                     self.engine.add(cmd)
                 except (ValueError, TypeError) as exc:
-                    self._deliver(cmd.request_id, exc)
+                    refused.append((cmd.request_id, exc))
             else:
                 self.engine.abort_request(cmd.request_id)
+        self._deliver(refused)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to the event loop in one call: each ``call_soon_threadsafe``
+        writes the loop's self-pipe and wakes it, and takes the GIL from the engine thread
+        when it runs, so one per step instead of one per request (docs/design.md §3 "Output streams").
+        Streams are looked up here, as the outputs are made: one registered later under a
+        reused request id never receives an earlier request's output."""
+        streams = self._streams
+        batch = [(s, item) for rid, item in items if (s := streams.get(rid)) is not None]
+        if batch and self._loop is not None:
+            self._loop.call_soon_threadsafe(_fan_out, batch)
 
     def _fail_all(self, exc: BaseException) -> None:
+        failed: list[tuple[str, RequestOutput | BaseException]] = []
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
-            self._deliver(request_id, exc)
+            failed.append((request_id, exc))
+        self._deliver(failed)
+
+
+def _fan_out(batch: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+    """On the event loop: each output into its request's stream."""
+    for stream, item in batch:
+        stream.put(item)

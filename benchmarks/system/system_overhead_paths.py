@@ -192,8 +192,9 @@ def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, An
 async def stream_http(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float
 ) -> Stream:
-    """One streamed request; RequestFailed unless it ends in usage + ``[DONE]`` with one
-    chunk per generated token and exactly ``max_tokens`` tokens."""
+    """One streamed request; RequestFailed unless it ends in usage + ``[DONE]`` with exactly
+    ``max_tokens`` tokens in at most that many chunks (a loaded server merges the tokens
+    of a stream that fell behind into one chunk: docs/design.md §3 "Output streams")."""
     return await asyncio.wait_for(_stream_http(client, url, body), timeout_s)
 
 
@@ -216,7 +217,7 @@ async def _stream_http(client: httpx.AsyncClient, url: str, body: dict[str, Any]
             obj = json.loads(payload)
             if "error" in obj:
                 raise RequestFailed(f"error event: {obj['error']}")
-            if obj.get("choices"):  # every decode step is one chunk, even with empty text
+            if obj.get("choices"):  # one chunk per step (or merged steps), even with empty text
                 times.append(time.perf_counter() - start)
                 parts.append(obj["choices"][0].get("text") or "")
             if isinstance(obj.get("usage"), dict):
@@ -224,7 +225,7 @@ async def _stream_http(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     if not done or usage is None:
         raise RequestFailed("stream ended without its usage chunk and [DONE]")
     tokens = usage.get("completion_tokens")
-    if tokens != body["max_tokens"] or tokens != len(times):
+    if tokens != body["max_tokens"] or not 1 <= len(times) <= tokens:
         raise RequestFailed(
             f"{tokens} tokens in usage, {len(times)} chunks, wanted {body['max_tokens']}"
         )
@@ -236,8 +237,15 @@ class PdserveUp:
     """``pdserve up`` in its own process group: started on enter (returns once it printed
     ``pdserve is ready``, or raises within ``timeout_s``), SIGTERM to the group on exit."""
 
-    def __init__(self, argv: list[str], timeout_s: float) -> None:
-        self.argv, self.timeout_s = argv, timeout_s
+    def __init__(
+        self,
+        argv: list[str],
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO,
+    ) -> None:
+        """``env``: added to this process's environment; ``cwd``: where it runs."""
+        self.argv, self.timeout_s, self.env, self.cwd = argv, timeout_s, env or {}, cwd
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.proc: subprocess.Popen[str] | None = None
@@ -249,10 +257,10 @@ class PdserveUp:
 
     def __enter__(self) -> PdserveUp:
         start = time.perf_counter()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env, start_new_session=True, cwd=REPO,
+            text=True, env=env, start_new_session=True, cwd=self.cwd,
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + self.timeout_s

@@ -58,11 +58,13 @@ async def test_generate_streams_deltas_matching_offline(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     prompt = engine.tokenizer.encode("Once upon a time")
     outs = await _collect(engine, "s1", prompt, params)
-    assert len(outs) == 8  # one delta per token
-    assert all(len(o.new_token_ids) == 1 for o in outs)
-    assert [o.finished for o in outs] == [False] * 7 + [True]
+    # One delta per step, unless this consumer fell behind (a loaded machine): then the
+    # queued deltas come merged (test_output_stream.py), never lost or reordered.
+    assert 1 <= len(outs) <= 8 and all(o.new_token_ids for o in outs)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[-1].finish_reason == "length"
-    assert all(o.logprobs is not None and len(o.logprobs[0].top) == 2 for o in outs)
+    assert all(o.logprobs is not None and len(o.logprobs) == len(o.new_token_ids) for o in outs)
+    assert all(len(lp.top) == 2 for o in outs for lp in o.logprobs or ())
     assert outs[0].num_prompt_tokens == len(prompt)
     tokens = [t for o in outs for t in o.new_token_ids]
     text = "".join(o.new_text for o in outs)
