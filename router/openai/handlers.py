@@ -25,6 +25,7 @@ from router.lora import routing_root
 from router.openai.admission import check_fits, check_prompt, prompts_of
 from router.openai.answer import AnswerFormat, Formatter, Usage
 from router.openai.client_gone import ClientGone, first_or_gone, wait_disconnect
+from router.openai.coalesce import coalesced
 from router.openai.deps import Deps
 from router.openai.protocol import (
     ChatCompletionRequest,
@@ -288,11 +289,17 @@ async def _stream(
             event = fmt.chunk(first, _usage_now(fmt, usage, trace))
             if event:
                 yield event
-            async for delta in run:
-                trace.on_delta(delta)
-                event = fmt.chunk(delta, _usage_now(fmt, usage, trace))
-                if event:  # empty while a tool-call parser holds the text back
-                    yield event
+            # What piled up while the last write ran goes out merged: one chunk per choice
+            # for several tokens when this router falls behind (router/openai/coalesce.py).
+            async with contextlib.aclosing(coalesced(run)) as batches:
+                async for batch in batches:
+                    events = []
+                    for delta in batch:
+                        trace.on_delta(delta)
+                        events.append(fmt.chunk(delta, _usage_now(fmt, usage, trace)))
+                    event = b"".join(events)
+                    if event:  # empty while a tool-call parser holds the text back
+                        yield event
             if include_usage:
                 _fill_usage(usage, trace, timings)
                 yield fmt.usage_chunk(usage)

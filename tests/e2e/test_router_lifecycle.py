@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -239,3 +241,74 @@ def test_non_streaming_client_disconnect_aborts_decode(stack: Stack) -> None:
             assert reply.status_code == 200, reply.text
 
     _leave_until_cancelled(stack, leave)
+
+
+def _slow_reader(url: str, body: dict[str, object], stall: Callable[[], None]) -> list[dict]:  # type: ignore[type-arg]
+    """POST ``body`` from a socket with a tiny receive buffer, read the response's first
+    bytes, run ``stall`` (waits while nothing is read, so the router's writes back up),
+    then read the rest; the SSE events' JSON bodies, in order."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: the window
+        sock.settimeout(60)
+        sock.connect((host, int(port)))
+        sock.sendall(head + payload)
+        data = sock.recv(1)
+        stall()
+        while chunk := sock.recv(65536):
+            data += chunk
+    status, _, rest = data.partition(b"\r\n")
+    assert b" 200 " in status, data[:300]
+    body_bytes, raw = b"", rest.partition(b"\r\n\r\n")[2]
+    while raw:  # Transfer-Encoding: chunked
+        size, _, raw = raw.partition(b"\r\n")
+        n = int(size, 16)
+        body_bytes, raw = body_bytes + raw[:n], raw[n + 2 :]
+    events = [e.removeprefix(b"data: ") for e in body_bytes.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_reader_that_falls_behind_gets_every_token_in_merged_chunks(stack: Stack) -> None:
+    """A client that stops reading while its long stream is generated: once the router's
+    writes back up (the socket buffers hold a few hundred KiB; top-5 logprobs make each
+    chunk ~0.5 KiB), the tokens that pile up come merged (router/openai/coalesce.py), all
+    of them, in order, the same text as a client that reads as it goes; every chunk a valid
+    OpenAI chunk whose usage (continuous_usage_stats) counts the tokens sent so far and
+    whose logprobs cover its own tokens. Before merging, every token was its own chunk."""
+    max_tokens = 1800
+    body: dict[str, object] = {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "logprobs": 5,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+
+    def until_generated() -> None:
+        wait_for(
+            lambda: running_requests(stack.decode.address, "decode") == 0,
+            120,
+            "the decode to finish the stream",
+        )
+
+    slow = _slow_reader(stack.colocated.url, body, until_generated)
+    chunks = [c for c in slow if c["choices"]]
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    sizes = [b - a for a, b in zip([0, *counts], counts, strict=False)]
+    assert min(sizes) >= 1 and sum(sizes) == max_tokens  # usage rises with every chunk
+    assert slow[-1]["usage"]["completion_tokens"] == max_tokens
+    assert len(chunks) < max_tokens and max(sizes) > 1, "the piled-up tokens come merged"
+    for chunk, size in zip(chunks, sizes, strict=True):
+        lps = chunk["choices"][0]["logprobs"]
+        assert len(lps["tokens"]) == len(lps["top_logprobs"]) == size
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with httpx.Client(base_url=stack.colocated.url, timeout=120) as client:
+        whole = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        fresh = client.post("/v1/completions", json=whole)
+    fresh.raise_for_status()
+    assert "".join(c["choices"][0]["text"] for c in chunks) == fresh.json()["choices"][0]["text"]
