@@ -250,6 +250,31 @@ def render(result: dict[str, Any]) -> str:
                     f"{_cpu_total(row) / _cpu_total(base):.2f}x",
                 ]
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + _render_steps(result, names)
+
+
+def _render_steps(result: dict[str, Any], names: list[str]) -> str:
+    """The engine step's wall time against the engine thread's CPU time in it: the gap is
+    time the thread could not run (waiting for the GIL, or for a core on a busy machine)."""
+    lines = [
+        "",
+        "Engine step, wall / engine-thread CPU / gap (ms per step):",
+        "",
+        "| path | N | " + " | ".join(names) + " |",
+        "|---|---:|" + "---|" * len(names),
+    ]
+    for path in ("engine", "async", "service"):
+        for n in result["streams"]:
+            cells = []
+            for name in names:
+                row = result["trees"][name].get(f"{path}/{n}") or {}
+                if "step_wall_ms" not in row:
+                    cells.append("")
+                    continue
+                wall, cpu, gap = row["step_wall_ms"], row["step_cpu_ms"], row["step_wait_ms"]
+                cells.append(f"{wall:.2f} / {cpu:.2f} / {gap:.2f}")
+            if any(cells):
+                lines.append(f"| {path} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
