@@ -167,6 +167,7 @@ class EngineArgs(ArgsModel):
     fp8_fused_quant: bool | None = engine_setting(
         "fp8_fused_quant", UNSET, type=on_off, forward=True
     )
+    fp8_scales: str | None = engine_setting("fp8_scales", UNSET, type=str, forward=True)
     tensor_parallel_size: int = engine_setting(
         "tensor_parallel_size", type=positive_int, forward=True, helm="engine.tensorParallelSize"
     )

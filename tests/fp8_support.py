@@ -95,11 +95,14 @@ def prefill_logits(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     backend_name: str = "torch_ref",
+    fp8_scales: str = "channel",
 ) -> torch.Tensor:
     """Float32 logits ``[len(token_ids), vocab]`` of one teacher-forced prefill of
     ``token_ids`` through the engine's model (FP8 when ``quantization`` or the checkpoint
-    says so), on the model's own paged KV cache."""
-    return logits_fn(model_dir, quantization, device, dtype, backend_name)(token_ids)
+    says so, with ``fp8_scales``), on the model's own paged KV cache."""
+    return logits_fn(model_dir, quantization, device, dtype, backend_name, fp8_scales=fp8_scales)(
+        token_ids
+    )
 
 
 def logits_fn(
@@ -109,13 +112,16 @@ def logits_fn(
     dtype: torch.dtype = torch.float32,
     backend_name: str = "torch_ref",
     max_len: int = 512,
+    fp8_scales: str = "channel",
 ) -> Callable[[list[int]], torch.Tensor]:
     """``prefill_logits`` with the model built once, for sequences up to ``max_len``."""
     from engine.attention import get_backend
     from engine.config import EngineConfig
     from engine.models import ModelArgs, build_model
 
-    cfg = EngineConfig(model=str(model_dir), device=device, quantization=quantization)
+    cfg = EngineConfig(
+        model=str(model_dir), device=device, quantization=quantization, fp8_scales=fp8_scales
+    )
     args = ModelArgs.from_hf(cfg.hf_config())
     backend = get_backend(backend_name, device)
     model = build_model(

@@ -109,6 +109,7 @@ def build_pdserve(
         "cuda_graphs": cfg.cuda_graphs,
         "mixed_cuda_graphs": cfg.mixed_cuda_graphs,
         "fp8_fused_quant": cfg.fp8_fused_quant,
+        "fp8_scales": cfg.fp8_scales,
         "overrides": overrides or {},
         "attention_backend": llm.engine.runner.backend.name,
         "warmup_s": round(llm.warmup_seconds, 2),

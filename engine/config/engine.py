@@ -162,7 +162,7 @@ class EngineConfig(
         """The FP8 scheme from ``quantization`` and the checkpoint's config (None: none)."""
         from engine.models.fp8_loader import resolve_quantization
 
-        return resolve_quantization(self.quantization, self.hf_config())
+        return resolve_quantization(self.quantization, self.hf_config(), self.fp8_scales)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The parsed ``speculative`` setting (None when off)."""

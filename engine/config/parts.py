@@ -88,6 +88,17 @@ class ModelSettings:
         help="fp8 = e4m3 weights quantized at load (docs/quantization.md); unset = "
         "the checkpoint's own (an FP8 checkpoint loads as FP8 either way)",
     )
+    # FP8 scale granularity (engine/models/fp8.py, docs/quantization.md "Scales"):
+    # "channel" = one weight scale per output channel, activations per token (cuBLASLt's
+    # row-wise FP8 GEMM); "tensor" = one weight scale per (fused) tensor and ONE dynamic
+    # activation scale per step (tensor-wise GEMM), what vLLM runs for --quantization fp8.
+    # "channel" until the tensor form is measured on the GPU (issue 35).
+    fp8_scales: str = knob(
+        "channel",
+        choices=("channel", "tensor"),
+        help="FP8 scales: channel = per output channel, activations per token; tensor = "
+        "one per weight tensor, one dynamic per step for activations (vLLM's fp8 default)",
+    )
     hf_overrides: dict[str, Any] = knob(factory=dict, help="config.json fields to override")
     seed: int = knob(0, help="engine seed")
 

@@ -42,6 +42,8 @@ def model_fingerprint(config: EngineConfig) -> str:
     if config.quantization:
         # Weights quantized at load compute other KV than the checkpoint's own precision.
         h.update(f"q:{config.quantization}|".encode())
+        if config.fp8_scales != "channel":  # other scales, other KV (channel keeps its hash)
+            h.update(f"s:{config.fp8_scales}|".encode())
     if config.load_format == "dummy":
         h.update(f"dummy:{config.seed}".encode())
     else:

@@ -12,7 +12,7 @@ from engine.distributed.tp_group import TPGroup
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_args import DEEPSEEK_ARCHITECTURES
-from engine.models.fp8 import empty_fp8_projections, fp8_checkpoint_tensors
+from engine.models.fp8 import empty_fp8_projections, fp8_checkpoint_tensors, use_tensor_scales
 from engine.models.fp8_loader import Fp8Scheme
 from engine.models.layer_ops import LayerOps, TorchOps
 from engine.models.llama import LlamaForCausalLM
@@ -80,7 +80,8 @@ def build_model(
     if from_checkpoint:
         empty_fp8_projections(model, ops)
     quantize_ops = ops if quantization is not None and not from_checkpoint else None
-    loader = LayerwiseLoader(model, device, dtype, quantize_ops)
+    per_tensor = quantization is not None and quantization.tensor_scales
+    loader = LayerwiseLoader(model, device, dtype, quantize_ops, per_tensor)
     if load_format == "dummy":
         # Each rank draws its own shard's values (random either way: shapes set the speed).
         # (and each pipeline stage its own layers'.)
@@ -94,4 +95,6 @@ def build_model(
             loader.load(weights)
         else:  # its own checkpoint loader (DeepSeek): every layer allocated first
             loader.load_whole(weights, model.load_weights)
+    if from_checkpoint and per_tensor:
+        use_tensor_scales(model)  # after loading: q, k, v (gate, up) scales are all in
     return model.eval()

@@ -18,6 +18,14 @@ How a projection runs (``fp8_linear``):
 * CPU (the reference, and where the tests run): the same per-token activation
   quantization, then a float32 matmul of the exact e4m3 values with the scales applied
   after, i.e. what ``_scaled_mm`` computes, up to float32 summation order.
+
+Per-tensor scales (``EngineConfig.fp8_scales="tensor"``, vLLM's dynamic default;
+``Fp8Linear.per_tensor``): the weight is quantized with one scale for the whole (fused)
+tensor, still stored as ``[N]`` equal values so the GEMV, the split-K GEMM, the fused
+kernels and tensor-parallel sharding run unchanged; the activations get ONE dynamic scale
+per step (``quantize_tensor``; ``triton_fp8_quant.quantize_tensor_triton`` on CUDA) and
+cuBLASLt runs its tensor-wise FP8 GEMM (scalar ``scale_a`` / ``scale_b``). An input the
+fused kernels already quantized (``Fp8Act``) keeps its per-token scales.
 """
 
 from __future__ import annotations
@@ -56,6 +64,16 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t32 = t.float()
     scale = (t32.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
     q = (t32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-tensor e4m3 of ``t``: ``(q, scale)`` with ``scale`` ``[1]`` float32,
+    ``t ≈ q * scale``; the largest magnitude of the whole tensor maps to 448. No host sync
+    (the scale stays a device tensor)."""
+    t32 = t.float()
+    scale = (t32.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
+    q = (t32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 
@@ -110,16 +128,38 @@ class Fp8Linear(nn.Module):
         )
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.ops = ops
+        # One scale for the weight and one dynamic scale per step for the activations
+        # (the module docstring); ``weight_scale`` then holds N equal values.
+        self.per_tensor = False
 
     @classmethod
-    def quantized(cls, linear: nn.Linear, ops: LayerOps) -> Fp8Linear:
-        """An ``Fp8Linear`` holding ``linear``'s weight quantized per output channel."""
+    def quantized(cls, linear: nn.Linear, ops: LayerOps, per_tensor: bool = False) -> Fp8Linear:
+        """An ``Fp8Linear`` holding ``linear``'s weight quantized per output channel, or
+        with one scale for the whole (fused: qkv, gate|up) weight when ``per_tensor``."""
         out = cls(linear.in_features, linear.out_features, linear.bias, ops)
         with torch.no_grad():
-            q, scale = quantize_rows(linear.weight)
+            if per_tensor:
+                q, one = quantize_tensor(linear.weight)
+                scale = one.expand(linear.out_features).contiguous()
+            else:
+                q, scale = quantize_rows(linear.weight)
             out.weight.data = q
             out.weight_scale.data = scale
+        out.per_tensor = per_tensor
         return out
+
+    def use_tensor_scale(self) -> None:
+        """Switch a loaded layer to per-tensor scales: rows with a smaller scale than the
+        largest (q, k and v of a per-tensor checkpoint each had their own) are requantized
+        to the largest, as vLLM does for fused projections."""
+        with torch.no_grad():
+            s = self.weight_scale.data
+            top = s.amax().reshape(1)
+            ratio = (s / top).unsqueeze(1)
+            q = (self.weight.data.float() * ratio).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            self.weight.data = q
+            self.weight_scale.data = top.expand(s.shape[0]).contiguous()
+        self.per_tensor = True
 
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if isinstance(x, Fp8Act):
@@ -127,10 +167,15 @@ class Fp8Linear(nn.Module):
             y = mm(x.q, x.scale, self.weight, self.weight_scale)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
         gemv = self.ops.name == "triton" and getattr(self.ops, "use_gemv", False)
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemv=gemv)
+        return fp8_linear(
+            x, self.weight, self.weight_scale, self.bias, gemv=gemv, per_tensor=self.per_tensor
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fp8"
+        scales = "tensor" if self.per_tensor else "channel"
+        return (
+            f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fp8 {scales}"
+        )
 
 
 def fp8_linear(
@@ -139,9 +184,11 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemv: bool = False,
+    per_tensor: bool = False,
 ) -> torch.Tensor:
     """``x [..., K] @ (weight * scale[:, None]).T (+ bias)`` in ``x``'s dtype, by the path
-    the module docstring names; ``gemv`` allows the Triton GEMV at 1-4 rows on CUDA."""
+    the module docstring names; ``gemv`` allows the Triton GEMV at 1-4 rows on CUDA;
+    ``per_tensor``: one activation scale for all rows, ``scale`` holds equal values."""
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the FP8 weight {tuple(weight.shape)}")
@@ -154,18 +201,22 @@ def fp8_linear(
         if fp8_gemv_problem(rows, weight, scale, bias) is None:
             return launch_fp8_gemv(rows, weight, scale, bias).view(*x.shape[:-1], n)
     if rows.is_cuda and k % 16 == 0 and n % 16 == 0:
-        y = _scaled_mm(rows, weight, scale)
+        y = _scaled_mm(rows, weight, scale, per_tensor)
     else:
-        y = _reference_mm(rows, weight, scale)
+        y = _reference_mm(rows, weight, scale, per_tensor)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
-def _scaled_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _scaled_mm(
+    rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, per_tensor: bool = False
+) -> torch.Tensor:
     """W8A8 on the FP8 tensor cores; row-wise scaling writes bf16 (cast by the caller). The
     activations are quantized by one Triton launch (``triton_fp8_quant.py``: the torch
     form is eight kernels a projection, which cost more than FP8 saved at decode)."""
+    if per_tensor:
+        return _scaled_mm_tensor(rows, weight, scale)
     if rows.stride(-1) == 1:
         from engine.models.triton_fp8_quant import quantize_rows_triton
 
@@ -194,6 +245,29 @@ def _mm_quantized(
     )
 
 
+def _scaled_mm_tensor(
+    rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """Per-tensor W8A8: one dynamic activation scale, cuBLASLt's tensor-wise FP8 GEMM
+    (scalar scales; its own kernels, not the row-wise ``ovscale`` one), or the split-K
+    Triton GEMM with the one scale repeated over the rows where that was measured faster."""
+    if rows.stride(-1) == 1:
+        from engine.models.triton_fp8_quant import quantize_tensor_triton
+
+        xq, x_scale = quantize_tensor_triton(rows, FP8_MAX, _MIN_SCALE)
+    else:
+        xq, x_scale = quantize_tensor(rows)
+    m = xq.shape[0]
+    config = _tuned_split_k(m, weight)
+    if config is not None:
+        from engine.models.triton_fp8_gemm import fp8_gemm
+
+        return fp8_gemm(xq, x_scale.expand(m), weight, scale, config)
+    return torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale, scale_b=scale[:1], out_dtype=torch.bfloat16
+    )
+
+
 def _tuned_split_k(m: int, weight: torch.Tensor) -> Fp8GemmConfig | None:
     """The split-K Triton GEMM's config where it was measured faster than cuBLAS for this
     shape and row count (``triton_fp8_gemm.py``), else None."""
@@ -202,9 +276,15 @@ def _tuned_split_k(m: int, weight: torch.Tensor) -> Fp8GemmConfig | None:
     return tuned_config(m, weight.shape[0], weight.shape[1])
 
 
-def _reference_mm(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _reference_mm(
+    rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, per_tensor: bool = False
+) -> torch.Tensor:
     """What ``_scaled_mm`` computes, in float32 on any device (the CPU path)."""
-    xq, x_scale = quantize_rows(rows)
+    if per_tensor:
+        xq, one = quantize_tensor(rows)
+        x_scale = one.expand(rows.shape[0])
+    else:
+        xq, x_scale = quantize_rows(rows)
     return _reference_mm_quantized(xq, x_scale, weight, scale)
 
 
@@ -228,19 +308,22 @@ def _layer_slots(layer: nn.Module) -> Iterator[tuple[nn.Module, str]]:
             yield parent, attr
 
 
-def quantize_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
-    """Replace every decoder projection's ``nn.Linear`` by its per-channel FP8 quantization
+def quantize_projections(
+    model: nn.Module, ops: LayerOps = TorchOps, per_tensor: bool = False
+) -> None:
+    """Replace every decoder projection's ``nn.Linear`` by its FP8 quantization
     (``quantization="fp8"`` on an unquantized checkpoint); frees the originals."""
     for layer in model.layers:  # type: ignore[union-attr]
-        quantize_layer(layer, ops)
+        quantize_layer(layer, ops, per_tensor)
 
 
-def quantize_layer(layer: nn.Module, ops: LayerOps = TorchOps) -> None:
+def quantize_layer(layer: nn.Module, ops: LayerOps = TorchOps, per_tensor: bool = False) -> None:
     """One decoder layer's projections, and its experts (``MoEBlock.quantize``), to FP8:
-    the layer-by-layer load (engine/models/loading.py) calls it as each layer is loaded."""
+    the layer-by-layer load (engine/models/loading.py) calls it as each layer is loaded.
+    ``per_tensor``: the projections with per-tensor scales; experts stay per channel."""
     for parent, attr in _layer_slots(layer):
         linear = getattr(parent, attr)
-        setattr(parent, attr, Fp8Linear.quantized(linear, ops))
+        setattr(parent, attr, Fp8Linear.quantized(linear, ops, per_tensor))
     quantize_experts = getattr(getattr(layer, "mlp", None), "quantize", None)
     if quantize_experts is not None:
         quantize_experts()
@@ -254,6 +337,15 @@ def empty_fp8_projections(model: nn.Module, ops: LayerOps = TorchOps) -> None:
         with torch.device(linear.weight.device):
             fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias, ops)
         setattr(parent, attr, fp8)
+
+
+def use_tensor_scales(model: nn.Module) -> None:
+    """Every decoder projection of a loaded FP8 checkpoint to per-tensor scales
+    (``Fp8Linear.use_tensor_scale``)."""
+    for parent, attr in _projection_slots(model):
+        proj = getattr(parent, attr)
+        if isinstance(proj, Fp8Linear):
+            proj.use_tensor_scale()
 
 
 def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:

@@ -10,6 +10,12 @@ time.
   Llama models): its ``quantization_config`` is read here; per-channel or per-tensor weight
   scales both become per-channel (a per-tensor scale repeats over its rows, which is exact).
 
+``fp8_scales="tensor"`` (``Fp8Scheme.tensor_scales``): one weight scale per (fused) tensor
+and one dynamic activation scale per step, vLLM's default for ``--quantization fp8``.
+Quantized at load, or a checkpoint with ``strategy: tensor`` weights (its fused parts
+requantized to the largest of their scales); a per-channel checkpoint keeps its channel
+scales (requantizing them per tensor would only lose precision).
+
 Torch-free: ``EngineConfig.validate`` calls ``resolve_quantization`` before anything loads.
 """
 
@@ -28,6 +34,7 @@ QUANTIZATIONS = ("fp8",)
 # this engine keeps in the model dtype anyway.
 _IGNORABLE = ("lm_head", "re:.*lm_head", "model.embed_tokens", "re:.*embed_tokens")
 _WEIGHT_STRATEGIES = ("channel", "tensor")
+FP8_SCALES = ("channel", "tensor")  # EngineConfig.fp8_scales
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +42,26 @@ class Fp8Scheme:
     """``from_checkpoint``: the weights on disk are already e4m3 with ``weight_scale``
     tensors (else they are quantized at load). ``static_input_scales``: the checkpoint
     carries per-tensor ``input_scale`` tensors, which are skipped: activations are always
-    scaled per token at run time (at least as accurate as one calibrated scale)."""
+    scaled per token at run time (at least as accurate as one calibrated scale), or per
+    tensor dynamically with ``tensor_scales``."""
 
     from_checkpoint: bool
     static_input_scales: bool = False
+    # Per-tensor weight and activation scales (fp8_scales="tensor"; engine/models/fp8.py).
+    tensor_scales: bool = False
 
 
-def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp8Scheme | None:
+def resolve_quantization(
+    requested: str | None, hf_config: dict[str, Any], scales: str = "channel"
+) -> Fp8Scheme | None:
     """The scheme for ``requested`` (None or "fp8") and a checkpoint whose config.json is
-    ``hf_config``; None means unquantized. ``ValueError`` (saying what is supported) for
-    an unknown ``requested`` or a checkpoint quantization this engine does not run."""
+    ``hf_config``; None means unquantized. ``scales``: ``EngineConfig.fp8_scales``.
+    ``ValueError`` (saying what is supported) for an unknown ``requested`` or ``scales``, or
+    a checkpoint quantization this engine does not run."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {requested!r}")
+    if scales not in FP8_SCALES:
+        raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {scales!r}")
     qcfg = hf_config.get("quantization_config")
     if isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4":
         archs = hf_config.get("architectures") or []
@@ -56,11 +71,13 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp
         # from here on, or FP8 when asked.
         qcfg = None
     if not qcfg:
-        return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
-    return _parse_compressed_tensors(qcfg)
+        if requested != "fp8":
+            return None
+        return Fp8Scheme(from_checkpoint=False, tensor_scales=scales == "tensor")
+    return _parse_compressed_tensors(qcfg, scales)
 
 
-def _parse_compressed_tensors(qcfg: Any) -> Fp8Scheme:
+def _parse_compressed_tensors(qcfg: Any, scales: str) -> Fp8Scheme:
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
     fmt = qcfg.get("format") if isinstance(qcfg, dict) else None
     if method != "compressed-tensors" or fmt != "float-quantized":
@@ -81,7 +98,8 @@ def _parse_compressed_tensors(qcfg: Any) -> Fp8Scheme:
         raise ValueError(
             f"compressed-tensors targets {targets!r} are not supported; need ['Linear']"
         )
-    _check_weights(group.get("weights") or {})
+    weights = group.get("weights") or {}
+    _check_weights(weights)
     static = _check_activations(group.get("input_activations"))
     ignored = [name for name in qcfg.get("ignore") or [] if name not in _IGNORABLE]
     if ignored:
@@ -91,7 +109,10 @@ def _parse_compressed_tensors(qcfg: Any) -> Fp8Scheme:
         )
     if static:
         logger.info("FP8 checkpoint has static input scales: using per-token scales instead")
-    return Fp8Scheme(from_checkpoint=True, static_input_scales=static)
+    tensor = scales == "tensor" and weights.get("strategy") == "tensor"
+    if scales == "tensor" and not tensor:
+        logger.info("fp8_scales=tensor: this checkpoint's weights are per channel; kept so")
+    return Fp8Scheme(from_checkpoint=True, static_input_scales=static, tensor_scales=tensor)
 
 
 def _check_weights(w: dict[str, Any]) -> None:

@@ -111,11 +111,13 @@ class LayerwiseLoader:
         device: torch.device | str,
         dtype: torch.dtype,
         quantize_ops: LayerOps | None = None,
+        per_tensor: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.quantize_ops = quantize_ops
+        self.per_tensor = per_tensor  # quantize with per-tensor scales (engine/models/fp8.py)
         self.layers: nn.ModuleList = model.layers  # type: ignore[assignment]
         self.finished: set[int] = set()
         # Everything but the layers, in the model dtype, allocated now (one memo: the
@@ -140,7 +142,7 @@ class LayerwiseLoader:
         layer = self.layers[index]
         check(index, layer)
         if self.quantize_ops is not None:
-            quantize_layer(layer, self.quantize_ops)
+            quantize_layer(layer, self.quantize_ops, self.per_tensor)
             cast_unquantized(layer, self.dtype)
         self.finished.add(index)
 
