@@ -249,8 +249,10 @@ def _scaled_mm_tensor(
     rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     """Per-tensor W8A8: one dynamic activation scale, cuBLASLt's tensor-wise FP8 GEMM
-    (scalar scales; its own kernels, not the row-wise ``ovscale`` one), or the split-K
-    Triton GEMM with the one scale repeated over the rows where that was measured faster."""
+    (scalar scales; its own kernels, not the row-wise ``ovscale`` one). The Triton GEMM's
+    table was measured against the row-wise GEMM: only its split-K buckets (split_k > 1:
+    more programs stream the weight at few rows, whatever the scales) are kept here, the
+    one scale repeated over the rows; its plain tiles beat only the row-wise kernel."""
     if rows.stride(-1) == 1:
         from engine.models.triton_fp8_quant import quantize_tensor_triton
 
@@ -259,7 +261,7 @@ def _scaled_mm_tensor(
         xq, x_scale = quantize_tensor(rows)
     m = xq.shape[0]
     config = _tuned_split_k(m, weight)
-    if config is not None:
+    if config is not None and config.split_k > 1:
         from engine.models.triton_fp8_gemm import fp8_gemm
 
         return fp8_gemm(xq, x_scale.expand(m), weight, scale, config)
