@@ -29,6 +29,7 @@ PACKAGES=(
   grpcio==1.78.0 grpcio-health-checking==1.78.0 protobuf==6.33.6
   prometheus-client==0.24.1
   xxhash==3.6.0
+  py-spy==0.4.1  # serving-path profiles during online runs (online_round.sh PD_PROFILE)
 )
 PLATFORMS=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1 manylinux_2_24 \
