@@ -14,7 +14,8 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-out}
 mkdir -p "$out" /tmp/nixl
 carry=${NIXL_CARRY:-out/nixl_carry}
-unzip -q -o "$carry/nixl.zip" -d /tmp/nixl
+# the GPU machine has no unzip: Python's zipfile extracts it
+python3 -m zipfile -e "$carry/nixl.zip" /tmp/nixl
 export PYTHONPATH=$PWD:/tmp/nixl${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import nixl_cu13; print("nixl", nixl_cu13.__file__)' || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"

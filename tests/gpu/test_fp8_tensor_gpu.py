@@ -164,4 +164,9 @@ def test_small_model_tensor_scales_against_bf16(tmp_path: Path) -> None:
         agree += sum(a == b for a, b in zip(out, bf16_choice))
         total += len(out)
     print(f"graphed FP8 tensor-scale engine greedy vs bf16 argmax: {agree}/{total}")
-    assert agree >= 0.85 * total
+    # One scale per step is coarser than the channel scheme, whose 0.85 this first used: on
+    # an H100 80GB (2026-12-06) this measured 56/72 = 0.78 while the teacher-forced bounds
+    # above held (top-1 0.896, rel L2 0.070); the random model's logits are near ties. The
+    # bound is the measured agreement less one prompt's worth of slack (docs/quantization.md
+    # "Per-tensor scales" gives the numbers and why the default stays per channel).
+    assert agree >= 0.7 * total
