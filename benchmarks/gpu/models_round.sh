@@ -14,28 +14,8 @@
 #   bash benchmarks/gpu/models_round.sh
 # Carry .carry/tokenizer (benchmarks/README.md "GPU runs still to make") for step 1.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
-[ -d .carry/tokenizer ] && export PDSERVE_TEST_TOKENIZER_DIR=$PWD/.carry/tokenizer
-out=${OUT:-out}
-mkdir -p "$out"
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-case "$name" in
-  *H200*) gpu=h200 ;;
-  *H100*) gpu=h100 ;;
-  *) gpu=$(echo "${name:-gpu}" | tr -c 'A-Za-z0-9\n' '_' | tr 'A-Z' 'a-z') ;;
-esac
-echo "GPU: $name ($gpu)" | tee "$out/summary.txt"
-
-step() {  # step NAME SECONDS COMMAND...
-  local label=$1 limit=$2
-  shift 2
-  local start
-  start=$(date +%s)
-  timeout "$limit" "$@" >"$out/$label.log" 2>&1
-  local rc=$?
-  echo "$label rc=$rc $(($(date +%s) - start))s $(tail -1 "$out/$label.log")" | tee -a "$out/summary.txt"
-}
+# shellcheck source=benchmarks/gpu/round_lib.sh
+source benchmarks/gpu/round_lib.sh
 
 step models_gpu_tests_$gpu 90 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 80 \
   -k "gpt_oss or deepseek" tests/gpu/test_models_gpu.py
