@@ -66,6 +66,7 @@ from benchmarks.system.chaos_report import (
     Outcome,
     first_ok_after,
     markdown_table,
+    settle_table,
     soak_table,
     summarize,
 )
@@ -199,6 +200,10 @@ async def run_phase(
     recovered = await recovery
     stall = await watch.stop()
     rss_after = {n: rss_mib(int(c["pid"])) for n, c in cluster.children().items()}
+    settled: dict[str, float | None] = {}
+    if args.settle_seconds > 0:  # issue #36: memory back within 10 % a minute after a phase
+        await asyncio.sleep(args.settle_seconds)
+        settled = {n: rss_mib(int(c["pid"])) for n, c in cluster.children().items()}
     for task in repoison:
         await task
     left = None
@@ -224,6 +229,7 @@ async def run_phase(
         "injected": injected or None,
         "unrelated_stream": stall,
         "rss_mib": {n: [rss_before.get(n), rss_after[n]] for n in rss_after},
+        "rss_settled_mib": settled or None,
     }
 
 
@@ -313,6 +319,8 @@ def main() -> None:
     ap.add_argument("--recovery-timeout", type=float, default=120.0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", type=Path, help="keep pdserve up's child logs here")
+    ap.add_argument("--settle-seconds", type=float, default=0.0,
+                    help="after each phase, wait this long and record every process's RSS again")  # fmt: skip
     ap.add_argument(
         "--out",
         type=Path,
@@ -338,7 +346,11 @@ def main() -> None:
     if args.md:
         soak = result["soak"]
         args.md.write_text(
-            markdown_table(result["phases"]) + "\n" + soak_table(soak["before"], soak["after"])
+            markdown_table(result["phases"])
+            + "\n"
+            + settle_table(result["phases"])
+            + "\n"
+            + soak_table(soak["before"], soak["after"])
         )
 
 

@@ -106,6 +106,22 @@ def markdown_table(phases: list[dict[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def settle_table(phases: list[dict[str, Any]]) -> str:
+    """Each process's RSS at a phase's start and ``--settle-seconds`` after its end, and
+    the change in %; empty without ``--settle-seconds``."""
+    rows = []
+    for p in phases:
+        settled = p.get("rss_settled_mib") or {}
+        for name, now in sorted(settled.items()):
+            start = (p.get("rss_mib") or {}).get(name, [None])[0]
+            change = f"{100 * (now - start) / start:+.1f}" if start and now else "–"
+            rows.append(f"| {p['fault']} | {name} | {_fmt(start)} → {_fmt(now)} | {change} |")
+    if not rows:
+        return ""
+    head = "| phase | process | RSS MiB at start → after settling | change % |\n|---|---|---|---|\n"
+    return head + "\n".join(rows) + "\n"
+
+
 def soak_table(before: dict[str, Any], after: dict[str, Any]) -> str:
     """The soak reading before and after the whole run, one row per process."""
     rows = [
