@@ -221,10 +221,13 @@ class PeerLink:
             hello["backend"] = "gloo"
         token, hello["nonce"] = self._config.token, new_nonce()
         if token:
-            hello["auth"] = proof(token, "client", server_nonce, hello["nonce"])
+            hello["auth"] = proof(token, "client", server_nonce, hello["nonce"], self.address)
         send_msg(sock, {"op": "hello", "ok": True, **hello}, deadline)
         reply = expect(recv_msg(sock, deadline), "hello")
-        if token and not proves(token, "server", server_nonce, hello["nonce"], reply.get("auth")):
+        nonce = hello["nonce"]
+        if token and not proves(
+            token, "server", server_nonce, nonce, self.address, reply.get("auth")
+        ):
             raise PeerError(f"p2p source {self.address} did not prove the token", "auth")
         if reply.get("backend") == "cuda_ipc":
             self._connect_ipc(reply)

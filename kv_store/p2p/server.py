@@ -145,7 +145,9 @@ class PullServer:
         hello = expect(recv_msg(sock, deadline, HELLO_MAX_BYTES), "hello")
         refusal = None
         peer_nonce = hello.get("nonce")
-        if cfg.token and not proves(cfg.token, "client", nonce, peer_nonce, hello.get("auth")):
+        if cfg.token and not proves(
+            cfg.token, "client", nonce, peer_nonce, self.address, hello.get("auth")
+        ):
             refusal = ("the peer did not prove the control-plane token", "auth")
             logger.warning("p2p: refused a peer without the control-plane token")
             self._counters.failed("auth")
@@ -174,7 +176,7 @@ class PullServer:
             "batch_blocks": mover.batch_blocks,
         }
         if cfg.token:  # the peer checks that it reached a holder of the token too
-            reply["auth"] = proof(cfg.token, "server", nonce, str(peer_nonce))
+            reply["auth"] = proof(cfg.token, "server", nonce, str(peer_nonce), self.address)
         if backend == "cuda_ipc":  # the peer maps our cache and copies: no group to form
             reply["ipc"] = describe_cache(cfg.kv)
             send_msg(sock, reply, deadline)
