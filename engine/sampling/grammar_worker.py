@@ -13,8 +13,9 @@ its own reader thread and hands the step loop a ready ``CompiledGrammar``: the s
 never waits for a compile or a load (docs/guided-and-speculative.md, "Budget"). The
 compiled grammar (xgrammar's JSON, up to hundreds of MB) travels as a raw payload after
 its message, never inside it: parsing it as part of a JSON message held the engine
-process's GIL for the whole parse (192 ms for a 49 MB grammar, every other thread of the
-engine stopped), while xgrammar's own deserialization lets the step loop run.
+process's GIL for the whole parse (every other thread of the engine stopped); xgrammar's
+own deserialization lets the step loop run most of the time
+(``benchmarks/engine/grammar_load_stall.py``).
 
 Wire: every message on the helper's stdin/stdout and on a child's pipe is an 8-byte
 big-endian length and that many bytes of JSON; a message with ``"payload": n`` is followed

@@ -12,7 +12,7 @@ SmolLM2's vocabulary (about 2.5 s on the 2-core machine). Here, with real helper
 - a compiled grammar (MBs of xgrammar JSON) reaches the step loop as a ready object, made
   on the helper's reader thread, and the engine process never parses it as part of a JSON
   message (that parse held the GIL, so every thread of the engine, the step loop's
-  included, stopped for it: 192 ms for a 49 MB grammar, issue 36).
+  included, stopped for it; issue 36, benchmarks/engine/grammar_load_stall.py).
 """
 
 from __future__ import annotations
