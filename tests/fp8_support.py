@@ -1,5 +1,6 @@
-"""Helpers of the FP8 weight tests (tests/unit/test_fp8_*.py, tests/gpu/test_fp8_gpu.py):
-a compressed-tensors FP8 checkpoint written by hand, and teacher-forced logits.
+"""Helpers of the FP8 tests (tests/unit/test_fp8_*.py, tests/gpu/test_fp8_*gpu.py): a
+compressed-tensors FP8 checkpoint written by hand, teacher-forced logits, how many greedy
+tokens are the reference's argmax, and how far a Triton quantization is from torch's.
 
 The checkpoint writer is deliberately independent of ``engine/models/fp8.py``: it follows
 the published format (``quantization_config`` with ``quant_method: compressed-tensors``,
@@ -168,4 +169,85 @@ def logit_stats(ref: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
         "rel_l2": float((test - ref).norm() / ref.norm()),
         "max_rel": float((test - ref).abs().max() / ref.abs().max()),
         "top1": float((test.argmax(-1) == ref.argmax(-1)).double().mean()),
+    }
+
+
+def argmax_agreement(
+    model_dir: Path,
+    prompts: list[list[int]],
+    outs: list[list[int]],
+    want_len: int,
+    **prefill_kw: Any,
+) -> tuple[int, int]:
+    """``(agree, total)``: how many generated tokens (each ``outs[i]`` must be ``want_len``
+    long) are the argmax of the reference model at the same position, the reference being a
+    teacher-forced ``prefill_logits(model_dir, prompts[i] + outs[i], **prefill_kw)``."""
+    agree = total = 0
+    for p, out in zip(prompts, outs):
+        assert len(out) == want_len
+        choice = prefill_logits(model_dir, p + out, **prefill_kw)[len(p) - 1 : -1].argmax(-1)
+        agree += sum(a == b for a, b in zip(out, choice.tolist()))
+        total += len(out)
+    return agree, total
+
+
+def graphed_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    check: Callable[[Any], None] | None = None,
+    **engine_kw: Any,
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` from a bf16 Triton engine on CUDA whose decode steps
+    replay CUDA graphs (asserted), configured further by ``engine_kw`` (the quantization);
+    ``check`` sees the engine before it runs. The engine is freed before this returns."""
+    from engine.config import EngineConfig
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="triton",
+        num_kv_blocks=256, max_num_seqs=8, **engine_kw,
+    )  # fmt: skip
+    engine = LLMEngine(cfg)
+    assert engine.runner.graphs is not None  # decode steps replay CUDA graphs
+    if check is not None:
+        check(engine)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+        got[f"r{i}"] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    del engine
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def e4m3_mismatch(
+    q: torch.Tensor, s: torch.Tensor, q_ref: torch.Tensor, s_ref: torch.Tensor
+) -> dict[str, float]:
+    """How far a Triton quantization ``(q, s)`` is from torch's ``(q_ref, s_ref)`` (the
+    interpreter tests tests/unit/test_fp8_quant_kernel.py and test_fp8_tensor_scales.py,
+    and their GPU runs): the scales' largest relative error, the e4m3 values' largest
+    difference in e4m3 steps, the share that differ, sign flips, and the dtypes."""
+    qf, rf = q.float(), q_ref.float()
+    # One e4m3 step is 2^-3 of the magnitude among normals; below the smallest normal
+    # (2^-6) the spacing is 2^-9, and the interpreter flushes there, hence the floor.
+    diff = (qf - rf).abs()
+    allowed = torch.maximum(rf.abs() * 2.0**-3, torch.full_like(diff, 2.0**-6))
+    # The interpreter's float -> e4m3 cast also drops the carry when rounding up reaches the
+    # next power of two (127.03 -> 64 instead of 128): on the interpreter only, such halves
+    # are counted apart and reported; the GPU tests demand none.
+    mag = rf.abs()
+    carry_lost = (mag > 0) & (mag == torch.exp2(torch.log2(mag).round())) & (qf * 2 == rf)
+    diff = torch.where(carry_lost, torch.zeros_like(diff), diff)
+    return {
+        "scale_rel_err": float(((s - s_ref).abs() / s_ref).max()),
+        "carry_lost": float(carry_lost.float().sum()),
+        "max_steps": float((diff / allowed).max()),
+        "mismatch_fraction": float((qf != rf).float().mean()),
+        "sign_flips": float(((qf * rf) < 0).float().sum()),
+        "dtype_ok": float(q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32),
     }

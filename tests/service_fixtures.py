@@ -11,7 +11,9 @@ Plain helpers (usable from any fixture) plus a few fixtures:
   processes that are all stopped at the end of the test;
 - fixture ``fs_kv_dir``: an empty directory for the fs connector;
 - fixture ``pd_services`` (module scope): one prefill + one decode service sharing an fs
-  store, on the tiny model (``tiny_model_dir``).
+  store, on the tiny model (``tiny_model_dir``);
+- ``check_engine_flag(...)``: an engine flag of a service reaches ``EngineConfig`` and is
+  forwarded by ``pdserve up``.
 
 Every wait has a deadline; a process that dies while starting fails the test with the tail
 of its log. Processes get one torch thread each (the test machines are small and shared).
@@ -380,3 +382,33 @@ def pd_services(
         yield PDServices(prefill, decode, kv_dir)
     finally:
         stack.close()
+
+
+def check_engine_flag(
+    model_dir: Path, flag: str, value: str, field_name: str, default: object, bad: str, *base: str
+) -> None:
+    """A decode service's ``flag value`` (after ``--model model_dir`` and ``base``) sets
+    ``EngineConfig.field_name`` to ``value``, leaving it out gives ``default``, ``bad`` is
+    refused, and ``pdserve up`` forwards ``flag value`` (and nothing when it is unset)."""
+    import argparse
+
+    from service.settings import (
+        add_forwarded_engine_arguments,
+        add_service_arguments,
+        engine_config_from_args,
+        forward_engine_flags,
+    )
+
+    service = argparse.ArgumentParser()
+    add_service_arguments(service, role="decode")
+    argv = ["--model", str(model_dir), *base]
+    set_ = engine_config_from_args(service.parse_args([*argv, flag, value]))
+    assert getattr(set_, field_name) == value
+    assert getattr(engine_config_from_args(service.parse_args(argv)), field_name) == default
+    with pytest.raises(SystemExit):
+        service.parse_args([*argv, flag, bad])
+    up = argparse.ArgumentParser()
+    add_forwarded_engine_arguments(up)
+    words = forward_engine_flags(up.parse_args([flag, value]))
+    assert words[words.index(flag) + 1] == value
+    assert flag not in forward_engine_flags(up.parse_args([]))

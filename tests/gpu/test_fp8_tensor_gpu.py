@@ -21,6 +21,7 @@ import gc
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,11 +121,8 @@ def test_tensor_linear_on_8b_shapes(name: str) -> None:
 
 
 def test_small_model_tensor_scales_against_bf16(tmp_path: Path) -> None:
-    from engine.config import EngineConfig
-    from engine.core.sampling_params import SamplingParams
-    from engine.llm_engine import LLMEngine
     from engine.models.fp8 import Fp8Linear
-    from tests.fp8_support import logit_stats, prefill_logits
+    from tests.fp8_support import argmax_agreement, graphed_greedy, logit_stats, prefill_logits
     from tests.gpu.test_fp8_gpu import _save_random_llama
 
     model_dir = _save_random_llama(tmp_path / "tiny", 7)
@@ -137,32 +135,15 @@ def test_small_model_tensor_scales_against_bf16(tmp_path: Path) -> None:
     print("tiny bf16 vs fp8 tensor scales, teacher-forced:", stats)
     assert 0 < stats["rel_l2"] < 0.08 and stats["top1"] >= 0.85
 
-    cfg = EngineConfig(
-        model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="triton",
-        num_kv_blocks=256, max_num_seqs=8, quantization="fp8", fp8_scales="tensor",
-    )  # fmt: skip
-    engine = LLMEngine(cfg)
-    assert engine.runner.graphs is not None  # decode steps replay CUDA graphs
-    projs = [m for m in engine.runner.model.modules() if isinstance(m, Fp8Linear)]
-    assert projs and all(p.per_tensor for p in projs)
+    def per_tensor(engine: Any) -> None:
+        projs = [m for m in engine.runner.model.modules() if isinstance(m, Fp8Linear)]
+        assert projs and all(p.per_tensor for p in projs)
+
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 77)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    got: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-        got[f"r{i}"] = []
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    del engine
-    agree = total = 0
-    for i, p in enumerate(prompts):
-        out = got[f"r{i}"]
-        assert len(out) == 24
-        logits = prefill_logits(model_dir, p + out, **kw)  # type: ignore[arg-type]
-        bf16_choice = logits[len(p) - 1 : -1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(out, bf16_choice))
-        total += len(out)
+    outs = graphed_greedy(
+        model_dir, prompts, 24, check=per_tensor, quantization="fp8", fp8_scales="tensor"
+    )
+    agree, total = argmax_agreement(model_dir, prompts, outs, 24, **kw)
     print(f"graphed FP8 tensor-scale engine greedy vs bf16 argmax: {agree}/{total}")
     # One scale per step is coarser than the channel scheme, whose 0.85 this first used: on
     # an H100 80GB (2026-12-06) this measured 56/72 = 0.78 while the teacher-forced bounds

@@ -34,6 +34,7 @@ def quant_mismatch(
 
     from engine.models.fp8 import _MIN_SCALE, FP8_MAX, quantize_rows
     from engine.models.triton_fp8_quant import quantize_rows_triton
+    from tests.fp8_support import e4m3_mismatch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn((rows, k + pad), generator=gen, device=device)
@@ -43,28 +44,7 @@ def quant_mismatch(
         x[1].zero_()  # an all-zero row takes the scale floor
     q, s = quantize_rows_triton(x, FP8_MAX, _MIN_SCALE)
     q_ref, s_ref = quantize_rows(x)
-    scale_err = float(((s - s_ref).abs() / s_ref).max())
-    # One e4m3 step is 2^-3 of the magnitude among normals; below the smallest normal
-    # (2^-6) the spacing is 2^-9, and the interpreter flushes there, hence the floor.
-    diff = (q.float() - q_ref.float()).abs()
-    allowed = torch.maximum(q_ref.float().abs() * 2.0**-3, torch.full_like(diff, 2.0**-6))
-    # The interpreter's float -> e4m3 cast also drops the carry when rounding up reaches the
-    # next power of two (127.03 -> 64 instead of 128): on the interpreter only, such halves
-    # are counted apart and reported; the GPU test demands none.
-    ref_mag = q_ref.float().abs()
-    carry_lost = (
-        (ref_mag > 0)
-        & (ref_mag == torch.exp2(torch.log2(ref_mag).round()))
-        & (q.float() * 2 == q_ref.float())
-    )
-    diff = torch.where(carry_lost, torch.zeros_like(diff), diff)
-    return {
-        "carry_lost": float(carry_lost.float().sum()),
-        "scale_rel_err": scale_err,
-        "max_steps": float((diff / allowed).max()),
-        "mismatch_fraction": float((q.float() != q_ref.float()).float().mean()),
-        "dtype_ok": float(q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32),
-    }
+    return e4m3_mismatch(q, s, q_ref, s_ref)
 
 
 def run_cases(device: str) -> dict[str, Any]:

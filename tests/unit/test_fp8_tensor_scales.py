@@ -46,6 +46,7 @@ def tensor_quant_mismatch(
 
     from engine.models.fp8 import _MIN_SCALE, FP8_MAX, quantize_tensor
     from engine.models.triton_fp8_quant import quantize_tensor_triton
+    from tests.fp8_support import e4m3_mismatch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn((rows, k + pad), generator=gen, device=device)
@@ -56,23 +57,8 @@ def tensor_quant_mismatch(
     x = x.to(getattr(torch, dtype_name))[:, :k]
     q, s = quantize_tensor_triton(x, FP8_MAX, _MIN_SCALE)
     q_ref, s_ref = quantize_tensor(x)
-    qf, rf = q.float(), q_ref.float()
-    diff = (qf - rf).abs()
-    # One e4m3 step is 2^-3 of the magnitude among normals, 2^-9 below 2^-6 (flushed by
-    # the interpreter, hence the floor).
-    allowed = torch.maximum(rf.abs() * 2.0**-3, torch.full_like(diff, 2.0**-6))
-    mag = rf.abs()
-    carry_lost = (mag > 0) & (mag == torch.exp2(torch.log2(mag).round())) & (qf * 2 == rf)
-    diff = torch.where(carry_lost, torch.zeros_like(diff), diff)
-    return {
-        "scale_shape_ok": float(tuple(s.shape) == (1,) and tuple(s_ref.shape) == (1,)),
-        "scale_rel_err": float(((s - s_ref).abs() / s_ref).max()),
-        "carry_lost": float(carry_lost.float().sum()),
-        "max_steps": float((diff / allowed).max()),
-        "mismatch_fraction": float((qf != rf).float().mean()),
-        "sign_flips": float(((qf * rf) < 0).float().sum()),
-        "dtype_ok": float(q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32),
-    }
+    shapes_ok = tuple(s.shape) == (1,) and tuple(s_ref.shape) == (1,)
+    return {"scale_shape_ok": float(shapes_ok), **e4m3_mismatch(q, s, q_ref, s_ref)}
 
 
 def run_cases(device: str) -> dict[str, Any]:
@@ -213,7 +199,7 @@ def test_engine_greedy_tensor_scales(tiny_model_dir: Path) -> None:
     from engine.kv.fingerprint import model_fingerprint
     from engine.llm import LLM
     from engine.models.fp8 import Fp8Linear
-    from tests.fp8_support import prefill_logits
+    from tests.fp8_support import argmax_agreement
 
     prompts = [_tokens(9, seed=5), _tokens(21, seed=6)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -225,12 +211,7 @@ def test_engine_greedy_tensor_scales(tiny_model_dir: Path) -> None:
         tensor_fp = model_fingerprint(llm.engine.config)
     with LLM(str(tiny_model_dir), quantization="fp8") as channel:
         assert model_fingerprint(channel.engine.config) != tensor_fp
-    agree = total = 0
-    for p, out in zip(prompts, outs):
-        assert len(out) == 12
-        choice = prefill_logits(tiny_model_dir, p + out)[len(p) - 1 : -1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(out, choice))
-        total += len(out)
+    agree, total = argmax_agreement(tiny_model_dir, prompts, outs, 12)
     print(f"tensor-scale engine greedy vs float argmax: {agree}/{total}")
     assert agree >= 0.85 * total
 
@@ -238,27 +219,12 @@ def test_engine_greedy_tensor_scales(tiny_model_dir: Path) -> None:
 def test_flag_reaches_the_engine_config(tiny_model_dir: Path) -> None:
     """``--fp8-scales`` on a service sets the engine's field, is forwarded by ``pdserve up``,
     and refuses what is not a choice; unset keeps the engine default (channel)."""
-    import argparse
+    from tests.service_fixtures import check_engine_flag
 
-    from service.settings import (
-        add_forwarded_engine_arguments,
-        add_service_arguments,
-        engine_config_from_args,
-        forward_engine_flags,
-    )
-
-    service = argparse.ArgumentParser()
-    add_service_arguments(service, role="decode")
-    base = ["--model", str(tiny_model_dir), "--quantization", "fp8"]
-    args = service.parse_args([*base, "--fp8-scales", "tensor"])
-    assert engine_config_from_args(args).fp8_scales == "tensor"
-    assert engine_config_from_args(service.parse_args(base)).fp8_scales == "channel"
-    with pytest.raises(SystemExit):
-        service.parse_args([*base, "--fp8-scales", "block"])
-    up = argparse.ArgumentParser()
-    add_forwarded_engine_arguments(up)
-    words = forward_engine_flags(up.parse_args(["--fp8-scales", "tensor"]))
-    assert words[words.index("--fp8-scales") + 1] == "tensor"
+    check_engine_flag(
+        tiny_model_dir, "--fp8-scales", "tensor", "fp8_scales", "channel", "block",
+        "--quantization", "fp8",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

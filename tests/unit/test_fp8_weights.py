@@ -21,6 +21,7 @@ import torch
 from engine.models.fp8 import FP8, fp8_linear, quantize_rows
 from engine.models.fp8_loader import resolve_quantization
 from tests.fp8_support import logit_stats, prefill_logits, quantization_config, write_fp8_checkpoint
+from tests.service_fixtures import check_engine_flag
 
 HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: rounding moves a normal value by <= 1/16
 SUBNORMAL_STEP = 2.0**-9  # spacing of e4m3 subnormals (in units of the scale)
@@ -202,24 +203,4 @@ def test_bad_fp8_checkpoint_tensors(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 def test_quantization_flag_reaches_the_engine_config(tiny_model_dir: Path) -> None:
-    import argparse
-
-    from service.settings import (
-        add_forwarded_engine_arguments,
-        add_service_arguments,
-        engine_config_from_args,
-        forward_engine_flags,
-    )
-
-    service = argparse.ArgumentParser()
-    add_service_arguments(service, role="decode")
-    args = service.parse_args(["--model", str(tiny_model_dir), "--quantization", "fp8"])
-    assert engine_config_from_args(args).quantization == "fp8"
-    unset = service.parse_args(["--model", str(tiny_model_dir)])
-    assert engine_config_from_args(unset).quantization is None
-    with pytest.raises(SystemExit):
-        service.parse_args(["--quantization", "int8"])
-    up = argparse.ArgumentParser()
-    add_forwarded_engine_arguments(up)
-    words = forward_engine_flags(up.parse_args(["--quantization", "fp8"]))
-    assert words[words.index("--quantization") + 1] == "fp8"
+    check_engine_flag(tiny_model_dir, "--quantization", "fp8", "quantization", None, "int8")

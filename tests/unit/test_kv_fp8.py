@@ -25,6 +25,7 @@ from engine.llm_engine import LLMEngine
 from kv_store.base import KvLayout
 from kv_store.factory import KVStoreSettings, build_connector
 from kv_store.record import RecordLayoutError, decode_block, encode_block
+from tests.service_fixtures import check_engine_flag
 from tests.unit.kv_fp8_support import check_agreement, compare, run_sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -138,25 +139,4 @@ def test_fp8_handoff_over_fs_is_identical_to_colocated_fp8(
 
 
 def test_kv_cache_dtype_flag_reaches_the_engine_and_up_forwards_it(tiny_model_dir: Path) -> None:
-    import argparse
-
-    from service.settings import (
-        add_forwarded_engine_arguments,
-        add_service_arguments,
-        engine_config_from_args,
-        forward_engine_flags,
-    )
-
-    service = argparse.ArgumentParser()
-    add_service_arguments(service, role="decode")
-    args = service.parse_args(["--model", str(tiny_model_dir), "--kv-cache-dtype", "fp8"])
-    assert engine_config_from_args(args).kv_cache_dtype == "fp8"
-    unset = service.parse_args(["--model", str(tiny_model_dir)])
-    assert engine_config_from_args(unset).kv_cache_dtype == "auto"
-    with pytest.raises(SystemExit):
-        service.parse_args(["--kv-cache-dtype", "int8"])
-    up = argparse.ArgumentParser()
-    add_forwarded_engine_arguments(up)
-    words = forward_engine_flags(up.parse_args(["--kv-cache-dtype", "fp8"]))
-    assert words[words.index("--kv-cache-dtype") + 1] == "fp8"
-    assert "--kv-cache-dtype" not in forward_engine_flags(up.parse_args([]))
+    check_engine_flag(tiny_model_dir, "--kv-cache-dtype", "fp8", "kv_cache_dtype", "auto", "int8")
