@@ -25,6 +25,15 @@ FP8 = torch.float8_e4m3fn
 _BLOCK = 1024  # columns per pass: K=4096 is 4 passes, K=14336 is 14
 
 
+def _checked_rows(rows: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """``(M, K, an empty e4m3 [M, K])`` of a 2-D ``rows`` whose last dim is contiguous (what
+    both kernels index), else ValueError."""
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be 2-D with contiguous rows, got {tuple(rows.shape)}")
+    m, k = rows.shape
+    return m, k, torch.empty((m, k), dtype=FP8, device=rows.device)
+
+
 @triton.jit
 def _quant_rows_kernel(
     x_ptr,
@@ -59,10 +68,7 @@ def quantize_rows_triton(
     rows: torch.Tensor, fp8_max: float, min_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, K] e4m3, scale [M] float32)`` of a 2-D ``rows`` whose last dim is contiguous."""
-    if rows.dim() != 2 or rows.stride(1) != 1:
-        raise ValueError(f"rows must be 2-D with contiguous rows, got {tuple(rows.shape)}")
-    m, k = rows.shape
-    q = torch.empty((m, k), dtype=FP8, device=rows.device)
+    m, k, q = _checked_rows(rows)
     scale = torch.empty((m,), dtype=torch.float32, device=rows.device)
     if m:
         _quant_rows_kernel[(m,)](
@@ -127,10 +133,7 @@ def quantize_tensor_triton(
     """``(q [M, K] e4m3, scale [1] float32)``: ONE dynamic scale for the whole 2-D ``rows``
     (its largest magnitude maps to ``fp8_max``), as ``fp8.quantize_tensor``. Two launches
     and a memset, no host sync: safe inside a CUDA graph (the amax lives on the device)."""
-    if rows.dim() != 2 or rows.stride(1) != 1:
-        raise ValueError(f"rows must be 2-D with contiguous rows, got {tuple(rows.shape)}")
-    m, k = rows.shape
-    q = torch.empty((m, k), dtype=FP8, device=rows.device)
+    m, k, q = _checked_rows(rows)
     amax = torch.zeros((1,), dtype=torch.float32, device=rows.device)
     scale = torch.empty((1,), dtype=torch.float32, device=rows.device)
     if not m:
