@@ -14,8 +14,9 @@ every connector's does (docs/design.md §3, "nixl"):
 The decode side then talks to the prefill's agent only through NIXL notifications (small
 messages on the transfer's own connection, not a second control channel): ``hello``
 (its metadata, so the prefill can answer), ``pin``, ``pinned``, ``done`` (carried by the
-READ itself), ``fail``. With a control-plane token every message carries an HMAC of its
-body under the token; a message without a valid one is dropped.
+READ itself), ``fail``. With a control-plane token every message carries an HMAC under
+the token bound to the sending and the receiving agent, with a time and a nonce
+(``seal.py``); a message without a valid one, an old one or a repeated one is dropped.
 
 Torch-free and standard library only.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 import array
 import base64
 import hashlib
-import hmac
 import json
 import zlib
 from dataclasses import dataclass
@@ -132,33 +132,3 @@ def hashes_digest(hashes: list[bytes]) -> str:
         h.update(len(x).to_bytes(2, "big"))
         h.update(x)
     return h.hexdigest()
-
-
-def _mac(token: str, body: dict[str, Any]) -> str:
-    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(token.encode(), data, hashlib.sha256).hexdigest()
-
-
-def pack(msg: dict[str, Any], token: str) -> bytes:
-    """A notification: the magic, then the JSON body with its MAC (with a token)."""
-    body = dict(msg)
-    if token:
-        body["auth"] = _mac(token, msg)
-    return MAGIC + json.dumps(body, separators=(",", ":")).encode()
-
-
-def unpack(raw: bytes, token: str) -> dict[str, Any]:
-    """The body of a notification; ``CardError`` (``protocol`` / ``auth``) when it is not
-    one of ours or does not prove the token."""
-    if not raw.startswith(MAGIC):
-        raise CardError("not a pdserve nixl notification")
-    try:
-        body = json.loads(raw[len(MAGIC) :])
-    except ValueError:
-        raise CardError("malformed nixl notification") from None
-    if not isinstance(body, dict) or not isinstance(body.get("op"), str):
-        raise CardError("malformed nixl notification")
-    auth = body.pop("auth", "")
-    if token and not (isinstance(auth, str) and hmac.compare_digest(auth, _mac(token, body))):
-        raise CardError("the notification does not prove the control-plane token", "auth")
-    return body

@@ -25,10 +25,11 @@ import torch
 
 from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
 from kv_store.nixl.agent import PoolAgent, layout_dict, load_nixl
-from kv_store.nixl.card import CardError, transfer_id, unpack
+from kv_store.nixl.card import CardError, transfer_id
 from kv_store.nixl.holder import Holder
 from kv_store.nixl.puller import Pull, Puller
 from kv_store.nixl.recut import Recut
+from kv_store.nixl.seal import Seal
 from kv_store.p2p.leases import Lease, LeaseTable
 from kv_store.p2p.mover import record_ready
 from kv_store.p2p.stats import P2PCounters, P2PStats
@@ -44,7 +45,8 @@ REAP_EVERY_S = 0.25
 
 class NixlConnector(KVConnector):
     """See the module docstring. ``token``: the control-plane token (the services'
-    ``--grpc-token``); with one, every notification must carry its MAC."""
+    ``--grpc-token``); with one, every notification must carry its MAC, bound to both
+    agents, with a time and a nonce (``seal.py``)."""
 
     name = "nixl"
 
@@ -95,8 +97,10 @@ class NixlConnector(KVConnector):
         self._kv, self._layout = kv_cache, layout
         self._agent = agent = PoolAgent(kv_cache, layout_dict(layout), model_fingerprint)
         self._card_text = agent.card.encode()
-        self._holder = Holder(agent, self.leases, self.p2p, self._token, self.timeout_s)
-        self._puller = Puller(agent, self.p2p, self._results.put, self._token, self.timeout_s)
+        # A notification is good for as long as a pin waits for its ``done`` (seal.py).
+        self._seal = seal = Seal(self._token, agent.name, 2 * self.timeout_s)
+        self._holder = Holder(agent, self.leases, self.p2p, seal, self.timeout_s)
+        self._puller = Puller(agent, self.p2p, self._results.put, seal, self.timeout_s)
         self._thread = threading.Thread(target=self._run, name="kv-nixl", daemon=True)
         self._thread.start()
 
@@ -206,7 +210,7 @@ class NixlConnector(KVConnector):
         for sender, messages in self._agent.notifications().items():
             for raw in messages:
                 try:
-                    msg = unpack(bytes(raw), self._token)
+                    msg = self._seal.unpack(bytes(raw), sender)
                 except CardError as e:
                     self.p2p.failed(e.reason)
                     logger.warning("nixl: notification from %s dropped: %s", sender, e)

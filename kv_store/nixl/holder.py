@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_store.nixl.agent import PoolAgent
-from kv_store.nixl.card import CardError, hashes_digest, pack
+from kv_store.nixl.card import CardError, hashes_digest
+from kv_store.nixl.seal import Seal
 from kv_store.p2p.leases import Lease, LeaseTable
 from kv_store.p2p.stats import P2PCounters
 from kv_store.p2p.wire import PeerError
@@ -53,11 +54,11 @@ class Holder:
         agent: PoolAgent,
         leases: LeaseTable,
         counters: P2PCounters,
-        token: str,
+        seal: Seal,
         timeout_s: float,
     ) -> None:
         self._agent, self._leases, self._counters = agent, leases, counters
-        self._token, self._timeout_s = token, timeout_s
+        self._seal, self._timeout_s = seal, timeout_s
         self._pins: dict[tuple[str, str], _Pin] = {}  # (decode agent, pull id) -> pin
 
     @property
@@ -94,7 +95,7 @@ class Holder:
         except (PeerError, CardError) as e:
             self._counters.failed(e.reason)
             refusal = {"op": "pinned", "pull": pull, "ok": False, "reason": e.reason}
-            self._agent.notify(sender, pack({**refusal, "error": str(e)}, self._token))
+            self._agent.notify(sender, self._seal.pack({**refusal, "error": str(e)}, sender))
             return
         if lease.ready is not None:
             lease.ready.synchronize()  # the KV is written before anyone reads it
@@ -107,7 +108,7 @@ class Holder:
         until = now + 2 * self._timeout_s
         key = (sender, pull)
         self._pins[key] = _Pin(lease, sender, pull, until, time.perf_counter(), nblocks, nbytes)
-        reply = pack({"op": "pinned", "pull": pull, "ok": True}, self._token)
+        reply = self._seal.pack({"op": "pinned", "pull": pull, "ok": True}, sender)
         if not self._agent.notify(sender, reply):
             del self._pins[key]
             self._leases.unpin(lease, None)

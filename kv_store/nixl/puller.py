@@ -22,7 +22,8 @@ from typing import Any
 
 from kv_store.base import KVTransfer, TransferResult
 from kv_store.nixl.agent import PoolAgent, Span
-from kv_store.nixl.card import Card, CardError, hashes_digest, pack, parse_transfer_id
+from kv_store.nixl.card import Card, CardError, hashes_digest, parse_transfer_id
+from kv_store.nixl.seal import Seal
 from kv_store.p2p.stats import P2PCounters
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,11 @@ class Puller:
         agent: PoolAgent,
         counters: P2PCounters,
         on_result: Callable[[TransferResult], None],
-        token: str,
+        seal: Seal,
         timeout_s: float,
     ) -> None:
         self._agent, self._counters, self._on_result = agent, counters, on_result
-        self._token, self._timeout_s = token, timeout_s
+        self._seal, self._timeout_s = seal, timeout_s
         self._pulls: dict[str, Pull] = {}
         self._greeted: set[str] = set()  # peers that have this agent's metadata
 
@@ -122,7 +123,9 @@ class Puller:
             return
         if card.agent not in self._greeted:
             md = base64.b64encode(self._agent.card.metadata).decode()
-            if self._agent.notify(card.agent, pack({"op": "hello", "md": md}, self._token)):
+            if self._agent.notify(
+                card.agent, self._seal.pack({"op": "hello", "md": md}, card.agent)
+            ):
                 self._greeted.add(card.agent)
         pin = {
             "op": "pin",
@@ -137,7 +140,7 @@ class Puller:
         }
         if pull.pullers > 1:
             pin["pullers"] = pull.pullers
-        if not self._agent.notify(card.agent, pack(pin, self._token)):
+        if not self._agent.notify(card.agent, self._seal.pack(pin, card.agent)):
             self._fail(pull, "unreachable", f"nixl peer {card.agent} cannot be notified")
             return
         pull.state = "pinning"
@@ -155,12 +158,12 @@ class Puller:
         assert pull.src_ids is not None and pull.dst is not None
         done = {"op": "done", "lease": pull.lease_id, "pull": pull.pull_id}
         if not pull.src_ids:  # nothing to read (all cached here, or aborted): just release
-            self._agent.notify(sender, pack(done, self._token))
+            self._agent.notify(sender, self._seal.pack(done, sender))
             self._succeed(pull)
             return
         try:
             pull.handle, status = self._agent.read(
-                pull.card, pull.src_ids, pull.dst, pack(done, self._token), pull.src_regions
+                pull.card, pull.src_ids, pull.dst, self._seal.pack(done, sender), pull.src_regions
             )
         except Exception as e:  # noqa: BLE001 - the backend refused the descriptors
             self._abandon(pull, "protocol", f"nixl READ refused: {e}")
@@ -203,7 +206,7 @@ class Puller:
         """Fail a pull the prefill pinned: tell it, and stop the READ before reporting."""
         assert pull.card is not None
         msg = {"op": "fail", "lease": pull.lease_id, "pull": pull.pull_id}
-        self._agent.notify(pull.card.agent, pack(msg, self._token))
+        self._agent.notify(pull.card.agent, self._seal.pack(msg, pull.card.agent))
         if reason in ("timeout", "unreachable"):
             self._greeted.discard(pull.card.agent)
             self._agent.forget(pull.card.agent)
