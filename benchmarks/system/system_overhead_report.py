@@ -18,7 +18,7 @@ class Stream:
     token_times: list[float]
     tokens: int
     text: str
-    timings: dict[str, float] | None = None
+    timings: dict[str, float | str] | None = None
 
 
 # -- pure helpers: summaries, overhead arithmetic, the report ---------------------------------
@@ -96,9 +96,13 @@ def phase_medians(streams: list[Stream]) -> dict[str, float]:
     timed = [s for s in streams if s.timings]
     if not timed:
         return {}
-    keys = list(dict.fromkeys(k for s in timed for k in s.timings or {}))  # router's order
-    out = {k: percentile([(s.timings or {}).get(k, 0.0) for s in timed], 50) * 1e3 for k in keys}
-    outside = [s.token_times[0] - t["ttft"] for s in timed if "ttft" in (t := s.timings or {})]
+    # The router's order; figures that are words (``prefill_path``) have no median.
+    numbers = [
+        {k: v for k, v in (s.timings or {}).items() if not isinstance(v, str)} for s in timed
+    ]
+    keys = list(dict.fromkeys(k for t in numbers for k in t))
+    out = {k: percentile([t.get(k, 0.0) for t in numbers], 50) * 1e3 for k in keys}
+    outside = [s.token_times[0] - t["ttft"] for s, t in zip(timed, numbers) if "ttft" in t]
     if outside:
         out["outside_router"] = percentile(outside, 50) * 1e3
     return out

@@ -29,7 +29,7 @@ from benchmarks.system.system_overhead_report import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _stream(times_ms: list[float], timings: dict[str, float] | None = None) -> Stream:
+def _stream(times_ms: list[float], timings: dict[str, float | str] | None = None) -> Stream:
     return Stream([t / 1e3 for t in times_ms], len(times_ms), "x" * len(times_ms), timings)
 
 
@@ -90,7 +90,7 @@ def test_paired_added_is_the_median_of_per_request_differences() -> None:
 
 def test_phase_medians_and_time_outside_the_router() -> None:
     a = _stream([10.0, 12.0], {"router_queue": 0.001, "ttft": 0.006})
-    b = _stream([14.0, 16.0], {"router_queue": 0.003, "ttft": 0.008})
+    b = _stream([14.0, 16.0], {"router_queue": 0.003, "ttft": 0.008, "prefill_path": "local"})
     phases = phase_medians([a, b, _stream([1.0])])  # the untimed stream is ignored
     assert list(phases) == ["router_queue", "ttft", "outside_router"]
     assert phases["router_queue"] == pytest.approx(2.0)
