@@ -41,7 +41,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,7 +69,7 @@ from benchmarks.system.chaos_report import (
     soak_table,
     summarize,
 )
-from benchmarks.system.system_overhead_paths import PdserveUp
+from benchmarks.system.system_overhead_paths import PdserveUp, build_model
 from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,17 +95,6 @@ POISON_PROMPTS = [
     f"on the quay, that the lamp oil was low again and that the keeper"
     for i, w in enumerate(WORDS)
 ]
-
-
-def build_model(out_dir: Path) -> Path:
-    """The tests' tiny random Llama, built in a child process."""
-    code = (
-        "import sys; from tests.model_fixtures import make_tiny_llama; make_tiny_llama(sys.argv[1])"
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", code, str(out_dir)], cwd=REPO, env=env, check=True,
-                   capture_output=True, timeout=300)  # fmt: skip
-    return out_dir
 
 
 def store_of(cluster: Cluster, args: argparse.Namespace) -> Path | str:

@@ -52,26 +52,13 @@ from benchmarks.system.serving_overhead_paths import (
     step_delta,
     summarize,
 )
-from benchmarks.system.system_overhead_paths import PdserveUp
+from benchmarks.system.system_overhead_paths import PdserveUp, build_model
 from common.flags import memory_size
 from pdserve.procs import free_ports
 
 logger = logging.getLogger("serving_overhead")
 REPO = Path(__file__).resolve().parents[2]
 PATHS = ("engine", "async", "service", "router")
-
-
-def build_model(out_dir: Path, vocab: int) -> Path:
-    code = (
-        "import sys; from tests.model_fixtures import make_tiny_llama; "
-        "make_tiny_llama(sys.argv[1], vocab_size=int(sys.argv[2]))"
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run(
-        [sys.executable, "-c", code, str(out_dir), str(vocab)], cwd=REPO, env=env, check=True,
-        capture_output=True, timeout=300,
-    )  # fmt: skip
-    return out_dir
 
 
 def engine_flags(model_dir: Path, args: Any) -> list[str]:

@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from benchmarks.system.system_overhead_paths import (
     EngineWorker,
     PdserveUp,
     RequestFailed,
+    build_model,
     request_body,
     stream_http,
     up_argv,
@@ -186,20 +186,6 @@ def system_result(
 
 
 # -- main ------------------------------------------------------------------------------------
-def build_model(out_dir: Path) -> Path:
-    """The tiny Llama, built in a child process: this one then holds no transformers model
-    objects, like the services' processes."""
-    code = (
-        "import sys; from tests.model_fixtures import make_tiny_llama; make_tiny_llama(sys.argv[1])"
-    )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run(
-        [sys.executable, "-c", code, str(out_dir)], cwd=REPO, env=env, check=True,
-        capture_output=True, timeout=300,
-    )  # fmt: skip
-    return out_dir
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start, loadavg_start = time.perf_counter(), os.getloadavg()
     prompts = random_prompts(args.warmup + args.requests, args.prompt_len, VOCAB, seed=args.seed)

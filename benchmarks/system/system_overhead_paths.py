@@ -32,6 +32,23 @@ READY = "pdserve is ready"
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def build_model(out_dir: Path, vocab: int | None = None) -> Path:
+    """The tests' tiny random Llama (``tests.model_fixtures.make_tiny_llama``: SmolLM2's
+    vocabulary unless ``vocab``), built in a child process: the benchmark's process then
+    holds no transformers model objects, like the services' processes."""
+    overrides = {} if vocab is None else {"vocab_size": vocab}
+    code = (
+        "import json, sys; from tests.model_fixtures import make_tiny_llama; "
+        "make_tiny_llama(sys.argv[1], **json.loads(sys.argv[2]))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run(
+        [sys.executable, "-c", code, str(out_dir), json.dumps(overrides)], cwd=REPO, env=env,
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return out_dir
+
+
 class RequestFailed(RuntimeError):
     """A request through the router did not complete as expected (message says why)."""
 
