@@ -193,7 +193,10 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert set(result["systems"]) == {"disaggregated", "colocated"}
     for summ in summaries:
         assert (summ["requests"], summ["tokens"]) == (n, n * out_len)
-        assert summ["ttft_ms"]["count"] == n and summ["itl_ms"]["count"] == n * (out_len - 1)
+        assert summ["ttft_ms"]["count"] == n
+        # A gap per chunk, and a chunk may carry merged steps (a busy 2-core machine merges
+        # a few in process and through the router): at most one gap per token after the first.
+        assert 0 < summ["itl_ms"]["count"] <= n * (out_len - 1)
         assert 0 < summ["ttft_ms"]["p50"] <= summ["ttft_ms"]["p99"] < 60_000
         assert 0 <= summ["itl_ms"]["p50"] <= summ["itl_ms"]["p99"]
         assert summ["ttft_ms"]["p50"] < summ["e2e_ms"]["p50"]
