@@ -65,6 +65,23 @@ class KvLayout:
     planes: int = 2
 
 
+def layout_wire_dict(layout: KvLayout) -> dict[str, Any]:
+    """The layout as a peer's hello, a NIXL card and a pin carry it: the plane count only
+    when it is not K and V, so a K/V peer of an older version (whose dict has no
+    ``planes``) compares equal, and an MLA latent cache is refused by name."""
+    out: dict[str, Any] = {
+        "version": layout.version,
+        "dtype": layout.dtype,
+        "block_size": layout.block_size,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+    }
+    if layout.planes != 2:
+        out["planes"] = layout.planes
+    return out
+
+
 @dataclass(slots=True)
 class KVTransfer:
     """One request's blocks to move between the paged cache and the store.

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_store.base import KvLayout, byte_view
+from kv_store.base import KvLayout, byte_view, layout_wire_dict
 from kv_store.nixl.card import Card
 
 logger = logging.getLogger(__name__)
@@ -79,19 +79,8 @@ def _descs(base: int, count: int, size: int, device: int) -> np.ndarray:
 
 
 def layout_dict(layout: KvLayout) -> dict[str, Any]:
-    """The KV layout as a card and a pin carry it (the plane count only when it is not K
-    and V, as p2p's hello)."""
-    out: dict[str, Any] = {
-        "version": layout.version,
-        "dtype": layout.dtype,
-        "block_size": layout.block_size,
-        "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-    }
-    if layout.planes != 2:
-        out["planes"] = layout.planes
-    return out
+    """The KV layout as a card and a pin carry it (``kv_store.base.layout_wire_dict``)."""
+    return layout_wire_dict(layout)
 
 
 def block_indices(block_ids: list[int], regions: Any, num_blocks: int) -> np.ndarray:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult
+from kv_store.base import KVConnector, KvLayout, KVTransfer, TransferResult, layout_wire_dict
 from kv_store.p2p.client import LinkConfig, PeerLink, PullJob
 from kv_store.p2p.group import BACKENDS, device_identity
 from kv_store.p2p.leases import Lease, LeaseTable
@@ -132,18 +132,9 @@ class P2PConnector(KVConnector):
             raise ValueError("model_fingerprint must be non-empty")
         if self._server is not None:
             raise RuntimeError("P2PConnector: bind_kv_cache() was called already")
-        layout_dict = {
-            "version": layout.version,
-            "dtype": layout.dtype,
-            "block_size": layout.block_size,
-            "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim,
-        }
-        if layout.planes != 2:
-            # An MLA latent cache (one plane): a K/V peer's hello lacks the key and is
-            # refused by name (server.py); K/V layouts keep the dict they always had.
-            layout_dict["planes"] = layout.planes
+        # An MLA latent cache (one plane) names its planes: a K/V peer's hello lacks the key
+        # and is refused by name (server.py).
+        layout_dict = layout_wire_dict(layout)
         identity = device_identity(kv_cache.device)
         self._kv, self._layout = kv_cache, layout
         serve = ServeConfig(

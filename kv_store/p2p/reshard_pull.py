@@ -18,11 +18,11 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kv_store.base import KvLayout, KVTransfer, TransferResult, byte_view
+from kv_store.base import KvLayout, KVTransfer, TransferResult, byte_view, layout_wire_dict
 from kv_store.p2p.client import LinkConfig, PeerLink, PullJob
 from kv_store.reshard import Reshard
 from kv_store.tp_connector import split_ranks
@@ -33,15 +33,6 @@ if TYPE_CHECKING:
     from kv_store.p2p.stats import P2PCounters
 
 logger = logging.getLogger(__name__)
-
-
-def _layout_dict(layout: KvLayout) -> dict[str, Any]:
-    """The layout as a p2p hello carries it (``P2PConnector.bind_kv_cache``'s rule: the
-    plane count only when it is not K and V), so the source's comparison holds."""
-    out = dataclasses.asdict(layout)
-    if layout.planes == 2:
-        del out["planes"]
-    return out
 
 
 class ReshardPull:
@@ -130,7 +121,7 @@ class ReshardPull:
         """A link that presents prefill process ``source``'s own fingerprint and layout."""
         layout = self.reshard.source_layout(source, self.layout)
         hello = dict(self.config.hello)
-        hello["layout"] = _layout_dict(layout)
+        hello["layout"] = layout_wire_dict(layout)
         hello["fingerprint"] = self.reshard.source_key_fingerprint(source)
         kv = scratch if scratch is not None else self._scratch(layout, 1)
         config = dataclasses.replace(self.config, kv=kv, hello=hello)
