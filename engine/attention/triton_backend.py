@@ -12,9 +12,7 @@ the kernel tests CI runs): anything else is a ValueError with that advice.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -26,94 +24,12 @@ from engine.attention.triton_kernels import (
     _write_kv_kernel,
 )
 
+# Re-exported: the kernel tests build their LaunchConfig from here.
+from engine.attention.triton_launch import LaunchConfig as LaunchConfig
+from engine.attention.triton_launch import choose_config, invariant_config, pow2
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchConfig:
-    """Tile shape of one attention launch (see the kernel docstring for the terms)."""
-
-    block_q: int
-    block_m: int
-    block_n: int
-    num_splits: int
-    decode_only: bool
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def choose_config(
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    num_reqs: int,
-    num_tokens: int,
-    num_kv_heads: int,
-    group: int,
-    dtype: torch.dtype,
-    num_sms: int | None,
-) -> LaunchConfig:
-    """Pick tiles. ``num_sms`` None means the interpreter: small tiles, many loop trips.
-
-    GPU choices come from the H200 tile sweep in benchmarks/results/gpu/gpu_h200.json.
-    """
-    wide = dtype != torch.float32  # fp32 tiles take twice the shared memory
-    if max_query_len <= 1:
-        splits = 1
-        if num_sms is not None:
-            # Enough programs for ~2 waves, but no split shorter than ~256 tokens.
-            want = math.ceil(2 * num_sms / max(1, num_reqs * num_kv_heads))
-            splits = max(1, min(want, math.ceil(max_seq_len / 256), 32))
-        return LaunchConfig(
-            block_q=1,
-            block_m=max(16, _pow2(group)),
-            block_n=(128 if wide else 64) if num_sms is not None else 16,
-            num_splits=splits,
-            decode_only=True,
-            num_warps=4,
-            num_stages=2,
-        )
-    if num_sms is None:
-        block_m, block_n = 16, 16
-    elif wide:
-        block_m, block_n = (128 if num_tokens >= 4096 else 64), 64
-    else:
-        block_m, block_n = 64, 32
-    block_m = max(block_m, _pow2(group))
-    return LaunchConfig(
-        block_q=max(1, block_m // group),
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=1,
-        decode_only=False,
-        num_warps=4,
-        num_stages=2,
-    )
-
-
-def invariant_config(group: int, dtype: torch.dtype, num_sms: int | None) -> LaunchConfig:
-    """Deterministic mode (docs/design.md §3): one tile shape for every step, whatever its
-    batch. No KV split (``choose_config`` splits by the number of requests), the same
-    ``BLOCK_N`` for decodes and prefills (a decode row gives the bits it would give inside
-    a mixed step), and KV tiles at fixed absolute positions from 0, so neither the rows
-    beside a query nor where its prompt was cut into chunks change the order it sums in."""
-    if num_sms is None:
-        block_m, block_n = 16, 16
-    else:
-        block_m, block_n = 64, (64 if dtype != torch.float32 else 32)
-    block_m = max(block_m, _pow2(group))
-    return LaunchConfig(
-        block_q=max(1, block_m // group),
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=1,
-        decode_only=False,
-    )
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -161,7 +77,7 @@ def write_kv_cache(
         k_scale,
         v_scale,
         ROW=row,
-        ROW_P2=_pow2(row),
+        ROW_P2=pow2(row),
         QUANT=is_fp8(kv_cache.dtype),
     )
 
@@ -250,7 +166,7 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
-        HEAD_P2=_pow2(head_dim),
+        HEAD_P2=pow2(head_dim),
         PAGE=kv_cache.shape[2],
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
@@ -277,8 +193,8 @@ def paged_attention(
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=cfg.num_splits,
-            SPLITS_P2=_pow2(cfg.num_splits),
-            HEAD_P2=_pow2(head_dim),
+            SPLITS_P2=pow2(cfg.num_splits),
+            HEAD_P2=pow2(head_dim),
         )
     return out
 

@@ -12,7 +12,8 @@ triton_fp8_quant.py; docs/quantization.md "Per-tensor scales").
   the same quantized operands, relative L2 < 2^-8 (bf16 output, Hopper's FP8 MMA sums).
 - A small random Llama with tensor scales: teacher-forced logits against bf16 (relative
   L2 < 0.08, top-1 >= 0.85) and the graphed engine's greedy tokens the bf16 argmax at
-  >= 85 % of positions: the bounds tests/gpu/test_fp8_gpu.py holds per channel.
+  >= 70 % of positions (per channel, tests/gpu/test_fp8_gpu.py holds 85 %: one scale per
+  step is coarser; docs/quantization.md gives the H100 numbers).
 """
 
 from __future__ import annotations
