@@ -27,6 +27,11 @@ from typing import Any
 
 import httpx
 
+# Re-exported for serving_overhead (the readings it takes around each path).
+from benchmarks.system.process_cpu import cpu_by_role as cpu_by_role
+from benchmarks.system.process_cpu import cpu_per_token as cpu_per_token
+from benchmarks.system.process_cpu import process_tree as process_tree
+
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -84,58 +89,6 @@ def summarize(records: list[StreamRecord], wall: float, want: int) -> dict[str, 
 
 
 # -- CPU time per token (robust to a busy machine, unlike wall times) ----------------------
-def process_tree(root: int) -> list[int]:
-    """``root`` and its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def role_of(pid: int) -> str:
-    """``router``, ``service`` or ``other`` (the launcher), from the command line."""
-    try:
-        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "other"
-    words = {a.decode(errors="replace") for a in argv}
-    if "router" in words or any(w.startswith("router.") for w in words):
-        return "router"
-    if words & {"service", "decode", "prefill"}:
-        return "service"
-    return "other"
-
-
-def cpu_by_role(pids: list[int]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each role among ``pids``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-            secs = (int(fields[11]) + int(fields[12])) / tick
-            role = role_of(pid)
-            out[role] = out.get(role, 0.0) + secs
-    return out
-
-
-def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> Any:
-    """CPU microseconds per generated token, per role, between two ``cpu_by_role`` readings."""
-    return {
-        f"cpu_us_per_token_{role}": (after[role] - before.get(role, 0.0)) / tokens * 1e6
-        for role in sorted(after)
-        if role != "other" and tokens
-    }
-
-
 # -- the engine worker (in-process baselines) ---------------------------------------------
 def _engine_sync(engine: Any, prompts: list[list[int]], output_len: int, tag: str) -> Any:
     from engine.core.sampling_params import SamplingParams

@@ -29,13 +29,8 @@ from benchmarks.record import recorded_command, result_path
 from benchmarks.system.chaos import build_model, up_argv
 from benchmarks.system.chaos_cluster import Cluster
 from benchmarks.system.chaos_inputs import StallWatch
+from benchmarks.system.process_cpu import cpu_seconds
 from benchmarks.system.system_overhead_paths import PdserveUp
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def one_storm(cluster: Cluster, model: str, pids: dict[str, int]) -> dict[str, Any]:

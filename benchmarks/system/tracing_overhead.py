@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from benchmarks.record import recorded_command, result_path
+from benchmarks.system.process_cpu import cpu_seconds
 from pdserve.procs import free_ports, grpc_probe
 from pdserve_api.v1 import pdserve_pb2 as pb
 from pdserve_api.v1 import pdserve_pb2_grpc as pb_grpc
@@ -65,12 +66,6 @@ def one_stream(stub: Any, seed: int) -> float:
     tokens = sum(len(c.token_ids) for c in stub.Decode(request, timeout=120, metadata=metadata))
     assert tokens == STREAM.max_tokens, tokens
     return time.perf_counter() - t
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid``, every thread (the engine's included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(svc: ServiceProcess, streams: int, seed: int) -> dict[str, float]:

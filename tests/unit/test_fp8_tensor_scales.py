@@ -219,7 +219,7 @@ def test_engine_greedy_tensor_scales(tiny_model_dir: Path) -> None:
 def test_flag_reaches_the_engine_config(tiny_model_dir: Path) -> None:
     """``--fp8-scales`` on a service sets the engine's field, is forwarded by ``pdserve up``,
     and refuses what is not a choice; unset keeps the engine default (channel)."""
-    from tests.service_fixtures import check_engine_flag
+    from tests.engine_flag_support import check_engine_flag
 
     check_engine_flag(
         tiny_model_dir, "--fp8-scales", "tensor", "fp8_scales", "channel", "block",

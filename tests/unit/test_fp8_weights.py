@@ -20,8 +20,8 @@ import torch
 
 from engine.models.fp8 import FP8, fp8_linear, quantize_rows
 from engine.models.fp8_loader import resolve_quantization
+from tests.engine_flag_support import check_engine_flag
 from tests.fp8_support import logit_stats, prefill_logits, quantization_config, write_fp8_checkpoint
-from tests.service_fixtures import check_engine_flag
 
 HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: rounding moves a normal value by <= 1/16
 SUBNORMAL_STEP = 2.0**-9  # spacing of e4m3 subnormals (in units of the scale)

@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from kv_store.base import KvLayout
 from kv_store.factory import KVStoreSettings, build_connector
 from kv_store.record import RecordLayoutError, decode_block, encode_block
-from tests.service_fixtures import check_engine_flag
+from tests.engine_flag_support import check_engine_flag
 from tests.unit.kv_fp8_support import check_agreement, compare, run_sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
