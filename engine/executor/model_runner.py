@@ -26,6 +26,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.distributed.pp_group import PPGroup
 from engine.distributed.tp_group import TPGroup
 from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
+from engine.executor.dummy_forward import cuda_kv_budget, warm_up_eager_shapes
 from engine.executor.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.executor.step_inputs import HostInputs, InputBuilder, StepInputs
 from engine.lora.slots import LoRASlots, attach
@@ -123,6 +124,11 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None
         self.lora_graphs: DecodeGraphs | None = None
         self.lora_mixed_graphs: MixedGraphs | None = None
+        if self.device.type == "cuda" and self.stage.size == 1:
+            # the kernels of eager steps no capture compiles (dummy_forward.py), run before
+            # the captures: the memory profile left exactly this forward's room
+            mixed = self.config.cuda_graphs and self.config.mixed_cuda_graphs
+            warm_up_eager_shapes(self, self.config.mixed_graph_max_tokens if mixed else 0)
         self.graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         logger.info(
@@ -246,10 +252,8 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = self.bytes_per_block()
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-        else:
-            budget = self.config.kv_cache_memory
+        on_cuda = self.device.type == "cuda"
+        budget = cuda_kv_budget(self) if on_cuda else self.config.kv_cache_memory
         blocks = budget // per_block
         if blocks < 2:
             raise ValueError(
@@ -257,49 +261,6 @@ class ModelRunner:
                 "raise kv_cache_memory / gpu_memory_utilization"
             )
         return int(blocks)
-
-    def _cuda_kv_budget(self) -> int:
-        """Memory left for KV after weights and a profiling forward pass at full budget."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        dummy_cache = torch.zeros(
-            (
-                self.num_layers,
-                self.args.kv_planes,
-                2 + -(-n // self.block_size),
-                self.block_size,
-                self.num_kv_heads,
-                self.args.kv_head_dim,
-            ),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        blocks = torch.arange(
-            1, 1 + -(-n // self.block_size), dtype=torch.int32, device=self.device
-        )
-        meta = AttentionMetadata(
-            slot_mapping=pos + self.block_size,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=blocks[None],
-            max_query_len=n,
-            max_seq_len=n,
-            query_start_loc_cpu=[0, n],
-            seq_lens_cpu=[n],
-        )
-        with torch.inference_mode():
-            hidden = self.model(ids, pos, dummy_cache, meta)
-            if self.stage.is_last:
-                self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del dummy_cache, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.gpu_memory_utilization) - peak
 
     def prepare(
         self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor | None = None
