@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.executor.dummy_forward import dummy_forward, eager_warm_up_sizes
 from engine.llm_engine import LLMEngine
+from tests.engine_steps import outputs_until_done
 
 
 def test_warm_up_sizes_cover_odd_counts_and_steps_past_the_graphs() -> None:
@@ -30,14 +31,10 @@ def test_warm_up_sizes_cover_odd_counts_and_steps_past_the_graphs() -> None:
 
 
 def _generate(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.add_request(request_id, prompt, params)
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens += out.new_token_ids
-    return tokens
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    outputs = list(outputs_until_done(engine, deadline_s=120))
+    assert all(out.error is None for out in outputs)
+    return [t for out in outputs for t in out.new_token_ids]
 
 
 def test_dummy_forward_leaves_the_kv_pool_and_outputs_alone(tiny_model_dir: Path) -> None:
