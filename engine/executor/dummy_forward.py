@@ -8,16 +8,31 @@ sequence of ``n`` tokens at positions ``0..n-1``, and discard the output.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from engine.attention.base import AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.executor.model_runner import ModelRunner
+from engine.config import EngineConfig
+from engine.models import ModelArgs
 
 logger = logging.getLogger(__name__)
+
+
+class ModelRunner(Protocol):
+    """What these passes read of ``engine.executor.model_runner.ModelRunner`` (named here
+    rather than imported: the runner imports this module)."""
+
+    device: torch.device
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    kv_dtype: torch.dtype
+    max_model_len: int
+    args: ModelArgs
+    config: EngineConfig
+    model: Any
+    stage: Any
 
 
 def dummy_forward(runner: ModelRunner, n: int) -> None:
