@@ -108,7 +108,10 @@ async def test_a_stalled_consumer_of_the_real_engine_gets_the_rest_in_one_output
         steady = await asyncio.wait_for(_collect(engine, "steady", prompt, params), DEADLINE_S)
     finally:
         await engine.shutdown(timeout=DEADLINE_S)
-    assert len(outs) == 2 and len(outs[1].new_token_ids) == 23 and outs[1].finished
+    # The first read may already hold a few merged tokens (the engine ran ahead of the
+    # consumer's first await on a loaded machine); everything after it is one output.
+    assert len(outs) == 2 and outs[1].finished and not outs[0].finished
+    assert len(outs[0].new_token_ids) + len(outs[1].new_token_ids) == 24
     tokens = [t for o in outs for t in o.new_token_ids]
     assert tokens == [t for o in steady for t in o.new_token_ids]
     assert "".join(o.new_text for o in outs) == "".join(o.new_text for o in steady)
