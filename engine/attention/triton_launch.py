@@ -66,6 +66,12 @@ def choose_config(
         block_m, block_n = (128 if num_tokens >= 4096 else 64), 64
     else:
         block_m, block_n = 64, 32
+    return _prefill_tiles(block_m, block_n, group)
+
+
+def _prefill_tiles(block_m: int, block_n: int, group: int) -> LaunchConfig:
+    """A one-pass (no KV split) launch of ``block_m`` query rows, widened to hold a whole
+    query-head group, as ``block_q`` tokens of ``group`` heads each."""
     block_m = max(block_m, pow2(group))
     return LaunchConfig(
         block_q=max(1, block_m // group),
@@ -73,8 +79,6 @@ def choose_config(
         block_n=block_n,
         num_splits=1,
         decode_only=False,
-        num_warps=4,
-        num_stages=2,
     )
 
 
@@ -88,11 +92,4 @@ def invariant_config(group: int, dtype: torch.dtype, num_sms: int | None) -> Lau
         block_m, block_n = 16, 16
     else:
         block_m, block_n = 64, (64 if dtype != torch.float32 else 32)
-    block_m = max(block_m, pow2(group))
-    return LaunchConfig(
-        block_q=max(1, block_m // group),
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=1,
-        decode_only=False,
-    )
+    return _prefill_tiles(block_m, block_n, group)

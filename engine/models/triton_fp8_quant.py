@@ -35,6 +35,28 @@ def _checked_rows(rows: torch.Tensor) -> tuple[int, int, torch.Tensor]:
 
 
 @triton.jit
+def _row_amax(x_row, K, BLOCK: tl.constexpr):
+    """The largest magnitude of one row of ``K`` elements, as float32."""
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
+def _store_quantized_row(x_row, q_row, K, scale, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One row divided by ``scale``, saturated at +-FP8_MAX and stored as e4m3."""
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < K
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -49,19 +71,9 @@ def _quant_rows_kernel(
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(_row_amax(x_row, K, BLOCK) / FP8_MAX, MIN_SCALE)
     tl.store(s_ptr + row, scale)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < K
-        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+    _store_quantized_row(x_row, q_row, K, scale, FP8_MAX, BLOCK)
 
 
 def quantize_rows_triton(
@@ -92,12 +104,7 @@ def _amax_rows_kernel(x_ptr, amax_ptr, K, stride_x, BLOCK: tl.constexpr):
     atomic max (magnitudes are >= 0, so the float max is order-free and exact)."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+    tl.atomic_max(amax_ptr, _row_amax(x_row, K, BLOCK))
 
 
 @triton.jit
@@ -119,12 +126,7 @@ def _quant_tensor_kernel(
         tl.store(s_ptr, scale)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < K
-        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
+    _store_quantized_row(x_row, q_row, K, scale, FP8_MAX, BLOCK)
 
 
 def quantize_tensor_triton(
