@@ -79,13 +79,16 @@ def _engine(model_dir: Path, dtype: str, graphs: bool, **kw: object):
 
 
 @pytest.mark.parametrize(
-    ("graphs", "async_on"),
-    [(False, False), (True, False), (True, True)],
-    ids=["eager", "graphs", "graphs-async"],
+    ("graphs", "async_on", "budget"),
+    [(False, False, 64), (True, False, 64), (True, True, 64), (True, False, 256)],
+    ids=["eager", "graphs", "graphs-async", "graphs-warm-up"],
 )
 def test_tiny_fp32_greedy_matches_transformers(
-    tmp_path: Path, graphs: bool, async_on: bool
+    tmp_path: Path, graphs: bool, async_on: bool, budget: int, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """``graphs-warm-up``: a token budget past the largest mixed graph (64 here), so the
+    start-up warm-up runs eager shapes (engine/executor/dummy_forward.py) before serving;
+    it must leave the engine's KV pool untouched and the tokens exact."""
     from transformers import AutoModelForCausalLM
 
     from engine.core.sampling_params import SamplingParams
@@ -110,10 +113,14 @@ def test_tiny_fp32_greedy_matches_transformers(
             )  # fmt: skip
             want.append(out[0, len(p) :].tolist())
     del hf
+    caplog.set_level("INFO", logger="engine.executor.dummy_forward")
     engine = _engine(
-        model_dir, "float32", graphs, max_num_batched_tokens=64, max_num_seqs=8,
-        async_scheduling=async_on,
+        model_dir, "float32", graphs, max_num_batched_tokens=budget, max_num_seqs=8,
+        async_scheduling=async_on, mixed_graph_max_tokens=64,
     )  # fmt: skip
+    warmed = {64: "[17, 63]" if not graphs else "[17]", 256: "[17, 255]"}[budget]
+    assert f"warmed up eager steps of {warmed} tokens" in caplog.text
+    assert not engine.runner.kv_cache.any(), "the warm-up wrote into the engine's KV pool"
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(enumerate(prompts))
