@@ -48,6 +48,7 @@ SERVICE_ONLY = (
     "no_prefix_caching",
     "no_pipeline_inflight_batches",
     "no_kv_events",
+    "engine_process",
 )
 
 
@@ -199,6 +200,14 @@ class EngineArgs(ArgsModel):
         "routers fall back to guessing what this instance holds)",
     )
     kv_events_max_queue: int = engine_setting("kv_events_max_queue", type=positive_int)
+    # docs/design.md §3 "Engine thread or engine process"
+    engine_process: bool | None = setting(
+        None,
+        type=on_off,
+        forward=True,
+        help="run the engine core in a process of its own, beside the gRPC server's "
+        "(on|off; default: on for CUDA, off on the CPU)",
+    )
     kv_offloading_size: int | None = engine_setting(
         "kv_offloading_size", UNSET, type=memory_size, forward=True, helm="engine.kvOffloadingSize"
     )
@@ -225,6 +234,12 @@ class EngineArgs(ArgsModel):
         """The settings `pdserve up` takes and passes to every engine, unset by default
         (None = the engine's default)."""
         return super().forwarded(prefix)
+
+    def engine_process_on(self, config: EngineConfig) -> bool:
+        """``engine_process`` resolved for ``config``'s device."""
+        if self.engine_process is None:
+            return config.device != "cpu"
+        return self.engine_process
 
     def create_engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` these settings describe (imports the engine lazily).

@@ -41,6 +41,22 @@ class GenerateRequest:
     lora_name: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAView:
+    """The LoRA adapters an engine serves (name -> identity, the name:content hash its KV
+    keys carry) and those in a slot now, as the services read them (docs/lora.md)."""
+
+    identities: dict[str, str]
+    resident: tuple[str, ...]
+
+    def identity(self, name: str) -> str:
+        """``ValueError`` when this engine does not serve ``name``."""
+        try:
+            return self.identities[name]
+        except KeyError:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded") from None
+
+
 class EngineClient(Protocol):
     """What a service needs from a running engine (``AsyncLLMEngine``)."""
 
@@ -71,6 +87,14 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     def get_load(self) -> LoadStats: ...
+
+    def lora_view(self) -> LoRAView | None:
+        """The adapters served now; None when LoRA is off."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]: ...
+
+    async def unload_lora_adapter(self, name: str) -> list[str]: ...
 
     def stats(self) -> EngineStats: ...
 

@@ -59,4 +59,5 @@ class EngineReports:
             self.connector.transport_stats() if self.connector is not None else None,
             host_tier=self.host_tier.stats if self.host_tier is not None else None,
             kv_blocks_local=transfers.blocks_local if transfers else 0,
+            guided_compiles=dict(self.guided.compile_counts()),
         )

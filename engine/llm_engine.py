@@ -117,6 +117,12 @@ class LLMEngine:
         self._pending.append(self.post.ended(request))
         return True
 
+    def take_ended(self) -> list[RequestOutput]:
+        """The outputs of requests ended outside a step (aborts), now rather than with the
+        next step's."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.has_work()
@@ -158,7 +164,9 @@ class LLMEngine:
     def stats(self, load: LoadStats | None = None) -> EngineStats:
         """Load (``load`` if given, else now), connector counters, KV fallbacks and
         speculative counters, as one snapshot."""
-        return self.reports.stats(load)
+        stats = self.reports.stats(load)
+        stats.lora = self.lora.metrics() if self.lora is not None else None
+        return stats
 
     def close_kv(self) -> None:
         """Stop the KV connector's workers (on every rank) and release the store."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.client import LoRAView
 from engine.lora.adapter import LoRAError
 from engine.lora.manager import AdapterInfo, LoRAManager
 from engine.lora.request import LoRARequest
@@ -121,3 +122,12 @@ def lora_names(
             )
         names.append(req.lora_name)
     return names
+
+
+def lora_view(lora: LoRAServing | None) -> LoRAView | None:
+    """What the services read of ``lora`` (None when LoRA is off)."""
+    if lora is None:
+        return None
+    mgr = lora.manager
+    identities = {name: info.identity for name, info in sorted(mgr.registry.items())}
+    return LoRAView(identities, tuple(mgr.resident))

@@ -47,3 +47,5 @@ class EngineStats:
     host_tier: HostTierStats | None = None  # the host KV tier's counters, when it is on
     kv_events: KvEventStats | None = None  # the KV event publisher's, when events are on
     kv_blocks_local: int = 0  # handoff prompt blocks found in the prefix cache, not moved
+    guided_compiles: dict[str, int] = field(default_factory=dict)  # source -> grammars
+    lora: dict[str, float] | None = None  # the LoRA slots' figures, when LoRA is on

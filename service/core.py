@@ -170,12 +170,12 @@ class EngineServiceCore:
 
 async def load_lora_adapter(core: EngineServiceCore, request: Any) -> Any:
     """``LoadLoRAAdapter`` of both services (a bad adapter is INVALID_ARGUMENT)."""
-    names = await core.engine.load_lora_adapter(request.lora_name, request.lora_path)  # type: ignore[attr-defined]
+    names = await core.engine.load_lora_adapter(request.lora_name, request.lora_path)
     return pb.LoRAAdaptersReply(lora_adapters=names)
 
 
 async def unload_lora_adapter(core: EngineServiceCore, request: Any) -> Any:
-    names = core.engine.unload_lora_adapter(request.lora_name)  # type: ignore[attr-defined]
+    names = await core.engine.unload_lora_adapter(request.lora_name)
     return pb.LoRAAdaptersReply(lora_adapters=names)
 
 
@@ -184,19 +184,18 @@ def lora_identity(engine: EngineClient, name: str) -> str:
     ``ValueError`` when this instance does not serve it."""
     if not name:
         return ""
-    lora = getattr(getattr(engine, "engine", None), "lora", None)
-    if lora is None:
+    view = engine.lora_view()
+    if view is None:
         raise ValueError(f"LoRA adapter {name!r} requested but LoRA is not enabled")
-    return str(lora.manager.resolve(name).identity)
+    return view.identity(name)
 
 
 def lora_load_fields(engine: EngineClient) -> dict[str, list[str]]:
     """The adapters an instance serves and those in a slot now (router: docs/lora.md)."""
-    lora = getattr(getattr(engine, "engine", None), "lora", None)
-    if lora is None:
+    view = engine.lora_view()
+    if view is None:
         return {}
-    mgr = lora.manager
-    return {"lora_adapters": sorted(mgr.registry), "resident_lora_adapters": mgr.resident}
+    return {"lora_adapters": list(view.identities), "resident_lora_adapters": list(view.resident)}
 
 
 async def _quiet_abort(engine: EngineClient, request_id: str) -> None:

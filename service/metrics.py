@@ -64,7 +64,7 @@ _LORA_DOCS = {
 
 
 class _EngineCollector(Collector):
-    """Reads the engine (an ``AsyncLLMEngine``) and its connector when Prometheus scrapes.
+    """Reads the engine (an ``EngineClient``: its ``stats()``) when Prometheus scrapes.
     A scrape never fails because of them: whatever cannot be read is left out."""
 
     def __init__(self, role: str, engine: Any) -> None:
@@ -88,33 +88,31 @@ class _EngineCollector(Collector):
             yield from self._spec_counters(stats.spec)
         if stats.transport is not None:
             yield from transport_families(stats.connector_name or "?", self._role, stats.transport)
-        yield from self._lora()
-        yield from self._guided()
+        yield from self._lora(stats)
+        yield from self._guided(stats)
         yield from kv_tier_families(self._role, stats)
 
-    def _guided(self) -> Iterator[Metric]:
+    def _guided(self, stats: EngineStats) -> Iterator[Metric]:
         """Grammar compiles by source: ``compiled`` here, or ``shared`` (loaded from
         ``--guided-cache-dir``, another instance's compile)."""
-        guided = getattr(getattr(self._engine, "engine", None), "guided", None)
-        if guided is None:
+        if not stats.guided_compiles:
             return
         counter = CounterMetricFamily(
             "pdserve_guided_compiles",
             "guided-decoding grammars compiled here, or loaded from another instance's compile",
             labels=["role", "source"],
         )
-        for source, value in guided.compile_counts().items():
+        for source, value in stats.guided_compiles.items():
             counter.add_metric([self._role, source], float(value))
         yield counter
 
-    def _lora(self) -> Iterator[Metric]:
+    def _lora(self, stats: EngineStats) -> Iterator[Metric]:
         """LoRA slots (docs/lora.md): counters of loads, evictions and requests refused
         after waiting for a slot; gauges of resident and served adapters and of requests
         waiting for a slot."""
-        lora = getattr(getattr(self._engine, "engine", None), "lora", None)
-        if lora is None:
+        if stats.lora is None:
             return
-        for name, value in lora.metrics().items():
+        for name, value in stats.lora.items():
             doc = _LORA_DOCS[name]
             family: Any = CounterMetricFamily if name in _LORA_COUNTERS else GaugeMetricFamily
             metric = family(f"pdserve_lora_{name}", doc, labels=["role"])

@@ -19,7 +19,6 @@ import argparse
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import grpc.aio
 
@@ -66,13 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def register(
-    role: Role, server: grpc.aio.Server, core: EngineServiceCore, connector: Any
+    role: Role, server: grpc.aio.Server, core: EngineServiceCore, connector_name: str | None
 ) -> list[str]:
     """Add ``role``'s servicers to ``server``; the full names of the services added."""
     services = pdserve_pb2.DESCRIPTOR.services_by_name
     names = []
     if role.serves_prefill:
-        kind = getattr(connector, "name", "none") if connector is not None else "none"
+        kind = connector_name or "none"
         pdserve_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(core, kind), server)
         names.append(services["PrefillService"].full_name)
     pdserve_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(core), server)

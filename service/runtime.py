@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -38,8 +37,8 @@ from service.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
 
-# (server, core, connector) -> the fully qualified service names it registered
-Register = Callable[[grpc.aio.Server, EngineServiceCore, Any], list[str]]
+# (server, core, connector name or None) -> the fully qualified service names it registered
+Register = Callable[[grpc.aio.Server, EngineServiceCore, str | None], list[str]]
 
 
 def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -65,18 +64,6 @@ def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def configure_threads(torch_threads: int) -> None:
-    """Apply ``--torch-threads`` before any torch work (the launcher hands out fair shares)."""
-    if torch_threads <= 0:
-        return
-    import torch
-
-    torch.set_num_threads(torch_threads)
-    # RuntimeError if an earlier parallel region already fixed it: harmless.
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-
-
 def build_connector(store: KVStoreSettings, host: str) -> Any | None:
     """The KV connector the store settings name, or None for ``--connector none``."""
     from kv_store.factory import build_connector as factory_build
@@ -88,6 +75,8 @@ def run_service(args: argparse.Namespace, *, role: str, register: Register) -> i
     """Run one service process until it is signalled; returns the exit status. The parsed
     flags become the three settings models here, once (docs/design.md §3 "Settings")."""
     settings = ServiceSettings.for_role(args, role)
+    from engine.engine_process import configure_threads
+
     configure_threads(settings.torch_threads)
     try:
         engine_args = EngineArgs.from_args(args)
@@ -130,6 +119,7 @@ async def _serve(
 ) -> int:
     from engine.async_engine import AsyncLLMEngine, EngineDeadError
     from engine.executor import ExecutorFailure
+    from engine.process_client import ProcessEngineClient
 
     role = settings.role
     # Before the engine loads: a bad certificate should not cost a model load first.
@@ -150,7 +140,7 @@ async def _serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_server = None
     metrics_server = None
-    engine: AsyncLLMEngine | None = None
+    engine: AsyncLLMEngine | ProcessEngineClient | None = None
     core: EngineServiceCore | None = None
     trimmer = MemoryTrimmer(settings.memory_trim_interval)
     try:
@@ -163,9 +153,17 @@ async def _serve(
         if settings.metrics_port:
             metrics_server = _serve_metrics(metrics, settings)
         config = engine_args.create_engine_config()
-        connector = build_connector(store, settings.host)
-        engine = AsyncLLMEngine(config, connector)
-        await engine.start()
+        if engine_args.engine_process_on(config):
+            # the connector is built in the engine process (docs/design.md §3 "Engine
+            # thread or engine process"); here only its name travels into KV handles
+            engine = ProcessEngineClient(config, store, settings.host, settings.torch_threads)
+            await engine.start()
+            connector_name = engine.connector_name
+        else:
+            connector = build_connector(store, settings.host)
+            engine = AsyncLLMEngine(config, connector)
+            await engine.start()
+            connector_name = getattr(connector, "name", None) if connector is not None else None
         metrics.watch_engine(engine)
         core = EngineServiceCore(
             role=role,
@@ -175,7 +173,7 @@ async def _serve(
             max_waiting=settings.max_waiting,
             tracing=make_tracing(settings.otlp_traces_endpoint, f"pdserve-{role}"),
         )
-        names = register(server, core, connector)
+        names = register(server, core, connector_name)
         await server.start()
         trimmer.start()
         for name in ["", *names]:

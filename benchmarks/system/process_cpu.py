@@ -32,7 +32,8 @@ def process_tree(root: int) -> list[int]:
 
 
 def role_of(pid: int) -> str:
-    """``router``, ``service`` or ``other`` (the launcher), from the command line."""
+    """``router``, ``service``, ``engine`` (a service's engine process, started by
+    multiprocessing's spawn) or ``other`` (the launcher), from the command line."""
     try:
         argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -42,6 +43,8 @@ def role_of(pid: int) -> str:
         return "router"
     if words & {"service", "decode", "prefill"}:
         return "service"
+    if any("spawn_main" in w for w in words):
+        return "engine"
     return "other"
 
 

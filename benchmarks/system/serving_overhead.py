@@ -2,6 +2,8 @@
 
     python -m benchmarks.system.serving_overhead                    # ~5 min on 2 cores
     python -m benchmarks.system.serving_overhead --tree base=/path/to/old/checkout --tree new=.
+    python -m benchmarks.system.serving_overhead --paths service router \
+        --tree thread=.@--engine-process=off --tree process=.@--engine-process=on
 
 A tiny random Llama (SmolLM2's tokenizer, a small vocabulary so that the forward and the
 sampling are cheap on a CPU) makes the serving path dominate. N concurrent streams of
@@ -16,7 +18,10 @@ Per path: the median time per token of a stream (TPOT), decode tok/s (N / TPOT),
 tok/s over the wall time, tokens per message (1.0 = one message per token), and for the
 engine paths the step's wall vs engine-thread CPU time (their gap: waiting for the GIL, or
 for a core). ``--tree NAME=PATH`` runs the service/router/engine processes from each
-checkout, interleaved per N, for A/B comparisons in one run (ratios against the first tree).
+checkout, interleaved per N, for A/B comparisons in one run (ratios against the first tree);
+``NAME=PATH@FLAGS`` adds engine flags to that tree's service and ``pdserve up``. With
+``--engine-process=on`` the service's CPU includes its engine process's (role ``engine``),
+and the step timings are not read (they are taken in the service process).
 ``--profile SECONDS`` records a py-spy profile of each tree's service during its largest-N
 batch (needs ``py-spy``, the dev extra).
 """
@@ -71,20 +76,23 @@ def engine_flags(model_dir: Path, args: Any) -> list[str]:
 class Tree:
     """One checkout's service and ``pdserve up``, started once for the whole run."""
 
-    def __init__(self, name: str, path: Path, model_dir: Path, tmp: Path, args: Any) -> None:
+    def __init__(
+        self, name: str, path: Path, model_dir: Path, tmp: Path, args: Any, flags: list[str]
+    ) -> None:
         self.name, self.path = name, path
         port, metrics = free_ports(2)
         self.stats_file = tmp / f"{name}-steps.json"
         argv = [
             *(sys.executable, "-m", "benchmarks.system.serving_overhead_paths", "--timed-service"),
             *(str(self.stats_file), "decode", "--host", "127.0.0.1", "--port", str(port)),
-            *("--metrics-port", str(metrics), *engine_flags(model_dir, args)),
+            *("--metrics-port", str(metrics), *engine_flags(model_dir, args), *flags),
         ]
         self.service = ServiceProc(path, argv, port, tmp / f"{name}-service.log")
         up = [
             *(sys.executable, "-m", "pdserve", "up", "--mode", "colocated", "--prefill", "0"),
             *("--decode", "1", "--port", str(free_ports(1)[0]), "--shutdown-grace", "10"),
             *engine_flags(model_dir, args),
+            *flags,
         ]
         self.up = PdserveUp(up, args.startup_timeout, env={"PYTHONPATH": str(path)}, cwd=path)
 
@@ -94,7 +102,7 @@ async def measure_one(tree: Tree, path: str, model: str, prompts: Any, args: Any
     tokens = len(prompts) * args.output_len
     if path == "service":
         assert tree.service.proc is not None
-        pids = [tree.service.proc.pid]
+        pids = process_tree(tree.service.proc.pid)  # with its engine process, if any
         await grpc_batch(tree.service.address, prompts, 4, args.request_timeout)  # warm
         before, cpu = read_step_stats(tree.stats_file), cpu_by_role(pids)
         recs, wall = await grpc_batch(
@@ -181,15 +189,19 @@ def best_of(rows: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cpu(row: dict[str, Any]) -> str:
+    """Service (+ its engine process, when it has one) + router CPU µs per token."""
     svc = row.get("cpu_us_per_token_service")
+    eng = row.get("cpu_us_per_token_engine")
     rtr = row.get("cpu_us_per_token_router")
     if svc is None:
         return ""
-    return f"{svc:.0f}" + (f"+{rtr:.0f}" if rtr is not None else "")
+    text = f"{svc:.0f}" + (f"+e{eng:.0f}" if eng is not None else "")
+    return text + (f"+{rtr:.0f}" if rtr is not None else "")
 
 
 def _cpu_total(row: dict[str, Any]) -> float:
-    return float(row.get("cpu_us_per_token_service", 0.0) + row.get("cpu_us_per_token_router", 0))
+    roles = ("service", "engine", "router")
+    return float(sum(row.get(f"cpu_us_per_token_{role}", 0.0) for role in roles))
 
 
 def render(result: dict[str, Any]) -> str:
@@ -272,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     loadavg_start, t0 = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp, ExitStack() as stack:
         model_dir = build_model(Path(tmp) / "tiny-llama", args.vocab)
-        trees = [Tree(name, path, model_dir, Path(tmp), args) for name, path in args.trees]
+        trees = [
+            Tree(name, path, model_dir, Path(tmp), args, flags) for name, path, flags in args.trees
+        ]
         for tree in trees:
             if "service" in args.paths:
                 stack.callback(tree.service.stop)
@@ -293,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {k: getattr(args, k) for k in ("prompt_len", "output_len", "vocab", "seed")},
         "streams": args.streams,
         "paths": args.paths,
-        "tree_paths": {name: str(path) for name, path in args.trees},
+        "tree_paths": {name: str(path) for name, path, _ in args.trees},
+        "tree_flags": {name: flags for name, _, flags in args.trees},
         "trees": {name: best_of(r) for name, r in rows.items()},
         "wall_s": time.perf_counter() - t0,
     }
@@ -305,11 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _tree(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
+def _tree(text: str) -> tuple[str, Path, list[str]]:
+    name, sep, rest = text.partition("=")
+    path, _, flags = rest.partition("@")
     if not sep or not name or not Path(path).is_dir():
-        raise argparse.ArgumentTypeError(f"want NAME=DIR (an existing checkout), got {text!r}")
-    return name, Path(path).resolve()
+        raise argparse.ArgumentTypeError(
+            f"want NAME=DIR[@FLAGS] (an existing checkout, extra engine flags), got {text!r}"
+        )
+    return name, Path(path).resolve(), flags.split()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -336,8 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if not args.trees:
-        args.trees = [("current", REPO)]
-    if len({n for n, _ in args.trees}) != len(args.trees):
+        args.trees = [("current", REPO, [])]
+    if len({n for n, _, _ in args.trees}) != len(args.trees):
         p.error("--tree names must differ")
     if min(args.streams) < 1 or args.output_len < 2:
         p.error("need --streams >= 1 and --output-len >= 2")

@@ -87,6 +87,13 @@ class KvEventLog:
     def __bool__(self) -> bool:
         return bool(self._events)
 
+    def extend(self, events: list[KvEvent]) -> None:
+        """Events drained from another process's log (engine/kv/event_relay.py), after
+        these; none of them is extended by a later local event."""
+        self._events.extend(events)
+        self._open.clear()
+        self._run_end.clear()
+
     def drain(self) -> list[KvEvent]:
         events, self._events = self._events, []
         self._open.clear()

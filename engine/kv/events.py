@@ -134,7 +134,8 @@ class Subscription:
 class KvEventPublisher:
     """Numbers the engine's event batches and fans them out (see the module docstring).
 
-    ``snapshot`` copies the current state (engine thread only; ``snapshot_held``);
+    ``snapshot`` copies the current state (engine thread only; ``snapshot_held``), or says
+    None when it has none to give yet (engine/kv/event_relay.py);
     ``wake`` nudges the engine thread so a new subscriber's snapshot does not wait for its
     idle timeout.
     """
@@ -142,7 +143,7 @@ class KvEventPublisher:
     def __init__(
         self,
         log: KvEventLog,
-        snapshot: Callable[[], Held],
+        snapshot: Callable[[], Held | None],
         max_queue: int,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
@@ -185,11 +186,13 @@ class KvEventPublisher:
             for sub in self._subs:
                 if not sub.closed and not sub.push(batch):
                     self.stats.cut_off += 1
-        while self._joining:
+        # None: no snapshot can be taken now (the engine is in another process and sends
+        # one later); the joining subscribers wait for the pump that has it.
+        held = self._snapshot() if self._joining else None
+        while held is not None and self._joining:
             sub = self._joining.popleft()
             if not sub.closed:
-                batch = KvEventBatch(self.instance_epoch, self._seq, True, held=self._snapshot())
-                sub.push(batch)
+                sub.push(KvEventBatch(self.instance_epoch, self._seq, True, held=held))
                 self._subs.append(sub)
         if any(s.closed or s.ended is not None for s in self._subs):
             self._subs = [s for s in self._subs if not s.closed and s.ended is None]
