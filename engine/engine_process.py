@@ -19,8 +19,12 @@ between steps), ``reply`` (a call's answer),
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import multiprocessing
+import os
 import pickle
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -193,6 +197,20 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _owned_by_the_service() -> None:
+    """The service alone stops this process: SIGINT and SIGTERM sent to the process group
+    (Ctrl-C, `pdserve up`'s stop) are ignored, so the service's drain finishes its requests
+    first; and the process is killed if the service dies (Linux's parent-death signal;
+    the closed command pipe stops it too, once its step ends)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the service died before the prctl took effect
+
+
 def configure_threads(torch_threads: int) -> None:
     """Apply ``--torch-threads`` before any torch work (the launcher hands out fair shares)."""
     if torch_threads <= 0:
@@ -215,6 +233,7 @@ def run_engine_process(
     torch_threads: int,
 ) -> None:
     """The process's entry (``multiprocessing`` spawn): build, say ready, serve, close."""
+    _owned_by_the_service()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s"
     )

@@ -164,6 +164,22 @@ async def test_duplicate_live_request_id(engine: AsyncLLMEngine) -> None:
     await _wait_until(lambda: engine.get_load().running == 0, "dup aborted")
 
 
+async def test_reused_id_after_abort_gets_only_its_own_output(engine: AsyncLLMEngine) -> None:
+    """The aborted request's last output is made when the abort is read, in the same pass
+    as the new request with its id: it carries the old generation and reaches no stream
+    (engine/engine_loop.py)."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        gen = engine.generate("same", list(range(30, 60)), long)
+        await asyncio.wait_for(gen.__anext__(), DEADLINE_S)
+        await gen.aclose()  # the abort, then at once a new request under the same id
+        outs = await _collect(
+            engine, "same", [9, 8, 7], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        assert [o.finish_reason for o in outs][-1] == "length", "the abort's output arrived"
+        assert sum(len(o.new_token_ids) for o in outs) == 4
+
+
 async def test_generate_before_start_and_after_shutdown(tiny_model_dir: Path) -> None:
     eng = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 22))
     with pytest.raises(EngineDeadError):

@@ -42,7 +42,9 @@ async def client(tiny_model_dir: Path) -> AsyncIterator[ProcessEngineClient]:
         await eng.shutdown()
 
 
-async def _collect(eng: object, rid: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+async def _collect(
+    eng: object, rid: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
     async def run() -> list[RequestOutput]:
         request = GenerateRequest(rid, prompt, params)
         return [out async for out in eng.submit(request)]  # type: ignore[attr-defined]
@@ -58,7 +60,9 @@ async def test_same_tokens_as_the_engine_thread(
     client: ProcessEngineClient, tiny_model_dir: Path
 ) -> None:
     prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(4)]
-    got = await asyncio.gather(*(_collect(client, f"p{i}", p, GREEDY) for i, p in enumerate(prompts)))
+    got = await asyncio.gather(
+        *(_collect(client, f"p{i}", p, GREEDY) for i, p in enumerate(prompts))
+    )
     thread = AsyncLLMEngine(_config(tiny_model_dir))
     await thread.start()
     try:
