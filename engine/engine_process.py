@@ -34,6 +34,7 @@ from typing import Any
 
 from engine.client import LoRAView
 from engine.config import EngineConfig
+from engine.core.outputs import RequestOutput
 from engine.engine_loop import Abort, Delivery, EngineLoop, RunOnLoop, Submit
 from engine.kv.events import snapshot_held
 from engine.llm_engine import LLMEngine
@@ -161,8 +162,37 @@ class EngineProcessCore:
             self.send(("reply", call_id, False, portable(exc)))
 
 
-def portable_item(item: Any) -> Any:
-    return portable(item) if isinstance(item, BaseException) else item
+def portable_item(item: RequestOutput | BaseException) -> Any:
+    """What crosses the pipe for one delivery: an error that survives pickling; a plain
+    delta (tokens and text, nothing of KV, logprobs or errors) as a tuple of its fields,
+    a third of the pickling time of the dataclass on the engine's thread; else the
+    ``RequestOutput`` itself. ``unpack_output`` undoes it."""
+    if isinstance(item, BaseException):
+        return portable(item)
+    if (
+        item.logprobs is None
+        and item.prompt_logprobs is None
+        and item.kv_saved is None
+        and item.error is None
+        and not (item.kv_load_seconds or item.kv_blocks_loaded or item.kv_blocks_recomputed)
+        and not (item.kv_blocks_local or item.kv_bytes_loaded)
+    ):
+        return (
+            *(item.new_token_ids, item.new_text, item.finished, item.finish_reason),
+            *(item.num_prompt_tokens, item.num_cached_tokens, item.queue_seconds),
+        )
+    return item
+
+
+def unpack_output(request_id: str, item: Any) -> RequestOutput | BaseException:
+    """The delivery ``portable_item`` packed, in the service process."""
+    if not isinstance(item, tuple):
+        return item  # type: ignore[no-any-return]
+    tokens, text, finished, reason, prompt, cached, queued = item
+    return RequestOutput(
+        request_id, tokens, text, finished, reason,
+        num_prompt_tokens=prompt, num_cached_tokens=cached, queue_seconds=queued,
+    )  # fmt: skip
 
 
 def _lora(core: EngineProcessCore) -> Any:

@@ -30,7 +30,7 @@ from engine.client import GenerateRequest, LoRAView
 from engine.config import EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.engine_loop import EngineDeadError
-from engine.engine_process import GIL_SWITCH_S, EngineInfo, run_engine_process
+from engine.engine_process import GIL_SWITCH_S, EngineInfo, run_engine_process, unpack_output
 from engine.kv.event_relay import KvEventRelay
 from engine.kv.events import KvEventPublisher
 from engine.models import ModelArgs
@@ -264,7 +264,9 @@ class ProcessEngineClient:
             if kind == "step":
                 _, items, self._load = message
                 batch: StreamBatch = [
-                    (s, item) for rid, gen, item in items if (s := lookup(rid, gen)) is not None
+                    (s, unpack_output(rid, item))
+                    for rid, gen, item in items
+                    if (s := lookup(rid, gen)) is not None
                 ]
                 if batch:
                     loop.call_soon_threadsafe(fan_out, batch)

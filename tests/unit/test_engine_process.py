@@ -60,20 +60,29 @@ async def test_same_tokens_as_the_engine_thread(
     client: ProcessEngineClient, tiny_model_dir: Path
 ) -> None:
     prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(4)]
+    # with logprobs (the whole RequestOutput crosses the pipe) and without (a plain delta,
+    # packed as a tuple: engine_process.portable_item)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = [GREEDY if i % 2 else plain for i in range(len(prompts))]
     got = await asyncio.gather(
-        *(_collect(client, f"p{i}", p, GREEDY) for i, p in enumerate(prompts))
+        *(_collect(client, f"p{i}", p, params[i]) for i, p in enumerate(prompts))
     )
     thread = AsyncLLMEngine(_config(tiny_model_dir))
     await thread.start()
     try:
         want = await asyncio.gather(
-            *(_collect(thread, f"t{i}", p, GREEDY) for i, p in enumerate(prompts))
+            *(_collect(thread, f"t{i}", p, params[i]) for i, p in enumerate(prompts))
         )
     finally:
         await thread.shutdown()
     assert [_tokens(o) for o in got] == [_tokens(o) for o in want]
+    assert ["".join(x.new_text for x in o) for o in got] == [
+        "".join(x.new_text for x in o) for o in want
+    ]
     assert all(len(_tokens(o)) == 8 and o[-1].finished for o in got)
-    assert all(len(o[0].logprobs or []) >= 1 for o in got)
+    assert all(o[-1].finish_reason == "length" for o in got)
+    assert [o[0].num_prompt_tokens for o in got] == [len(p) for p in prompts]
+    assert [bool(o[0].logprobs) for o in got] == [bool(i % 2) for i in range(len(prompts))]
     assert client.model_fingerprint == thread.model_fingerprint
     assert client.max_model_len == thread.max_model_len
     load = client.get_load()
