@@ -30,11 +30,12 @@ case "${1:?step}" in
       PD_TIMEOUT=240 bash "$round" pd colocated bf16
     ;;
   ab)
-    export RATES=${RATES:-80,120}
+    # 80 first: the profile (PD_PROFILE seconds, 0 = none) covers it
+    export RATES=${RATES:-80,120,160,40}
     for way in thread process; do
       on=$([ "$way" = process ] && echo on || echo off)
       PD_ARGS="$big --engine-process=$on" PD_LABEL=big-$way PD_TIMEOUT=280 \
-        bash "$round" pd colocated bf16
+        PD_PROFILE=${PD_PROFILE:-10} bash "$round" pd colocated bf16
     done
     ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -31,7 +31,8 @@ profile_bg() {  # SECONDS OUT: py-spy of `pdserve up` and its children once the 
   spy=$(command -v py-spy || echo "$SITE/bin/py-spy")
   [ -x "$spy" ] || { echo "no py-spy: no profile" >&2; return 0; }
   sleep 5  # the harness starts; its children are the server and the load generator
-  harness=$(pgrep -f "python[0-9.]* -m benchmarks.peers.online" | head -1)
+  # anchored: the `timeout` wrapper's command line names the harness too
+  harness=$(pgrep -f "^python[0-9.]* -m benchmarks.peers.online" | head -1)
   [ -n "$harness" ] || { echo "no online harness: no profile" >&2; return 0; }
   for _ in $(seq 900); do  # until the load generator runs (or the harness ended)
     pgrep -P "$harness" -f "pdserve bench serve" >/dev/null && break
