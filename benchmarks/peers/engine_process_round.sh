@@ -5,6 +5,7 @@
 # benchmarks/peers/online_round.sh says, then, on the GPU machine:
 #   call 1 (carry out/pd_two_gpu_carry .carry/tokenizer): engine_process_round.sh first
 #   call 2:                                               engine_process_round.sh ab
+#   call 3 (a cold machine: setup first, as call 1's carry):  engine_process_round.sh fp8
 # `first` sets up, runs the GPU tests of the kernels and start-up paths changed since the last
 # GPU run (the eager-shape warm-up, the FP8 quantization kernels' shared helpers, the
 # attention launch choice), then our bf16 server with the vLLM-sized batch in a process of
@@ -37,6 +38,13 @@ case "${1:?step}" in
       PD_ARGS="$big --engine-process=$on" PD_LABEL=big-$way PD_TIMEOUT=280 \
         PD_PROFILE=${PD_PROFILE:-10} bash "$round" pd colocated bf16
     done
+    ;;
+  fp8)
+    # FP8 (per-tensor scales) in the engine process at four rates, then bf16 at 80 again
+    RATES=${RATES:-80,120,160,40} PD_ARGS="$big --fp8-scales=tensor --engine-process=on" \
+      PD_LABEL=big-tensor-process PD_TIMEOUT=230 bash "$round" pd colocated fp8
+    RATES=80 PD_ARGS="$big --engine-process=on" PD_LABEL=big-process-again PD_TIMEOUT=120 \
+      bash "$round" pd colocated bf16
     ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
