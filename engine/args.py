@@ -201,12 +201,12 @@ class EngineArgs(ArgsModel):
     )
     kv_events_max_queue: int = engine_setting("kv_events_max_queue", type=positive_int)
     # docs/design.md §3 "Engine thread or engine process"
-    engine_process: bool | None = setting(
-        None,
+    engine_process: bool = setting(
+        True,
         type=on_off,
         forward=True,
         help="run the engine core in a process of its own, beside the gRPC server's "
-        "(on|off; default: on for CUDA, off on the CPU)",
+        "(on|off); off: on a thread of the service process",
     )
     kv_offloading_size: int | None = engine_setting(
         "kv_offloading_size", UNSET, type=memory_size, forward=True, helm="engine.kvOffloadingSize"
@@ -234,12 +234,6 @@ class EngineArgs(ArgsModel):
         """The settings `pdserve up` takes and passes to every engine, unset by default
         (None = the engine's default)."""
         return super().forwarded(prefix)
-
-    def engine_process_on(self, config: EngineConfig) -> bool:
-        """``engine_process`` resolved for ``config``'s device."""
-        if self.engine_process is None:
-            return config.device != "cpu"
-        return self.engine_process
 
     def create_engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` these settings describe (imports the engine lazily).

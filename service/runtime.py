@@ -153,7 +153,7 @@ async def _serve(
         if settings.metrics_port:
             metrics_server = _serve_metrics(metrics, settings)
         config = engine_args.create_engine_config()
-        if engine_args.engine_process_on(config):
+        if engine_args.engine_process:
             # the connector is built in the engine process (docs/design.md §3 "Engine
             # thread or engine process"); here only its name travels into KV handles
             engine = ProcessEngineClient(config, store, settings.host, settings.torch_threads)
