@@ -40,11 +40,11 @@ case "${1:?step}" in
     done
     ;;
   fp8)
-    # FP8 (per-tensor scales) in the engine process at four rates, then bf16 at 80 again
+    # FP8 (per-tensor scales) in the engine process at $RATES, then (AGAIN=1) bf16 at 80 again
     RATES=${RATES:-80,120,160,40} PD_ARGS="$big --fp8-scales=tensor --engine-process=on" \
       PD_LABEL=big-tensor-process PD_TIMEOUT=230 bash "$round" pd colocated fp8
-    RATES=80 PD_ARGS="$big --engine-process=on" PD_LABEL=big-process-again PD_TIMEOUT=120 \
-      bash "$round" pd colocated bf16
+    [ "${AGAIN:-1}" = 1 ] && RATES=80 PD_ARGS="$big --engine-process=on" \
+      PD_LABEL=big-process-again PD_TIMEOUT=120 bash "$round" pd colocated bf16
     ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
