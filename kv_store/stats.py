@@ -22,6 +22,24 @@ class ConnectorStats:
     failures: dict[str, int] = field(default_factory=dict)  # reason -> count
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    def __getstate__(self) -> tuple[object, ...]:
+        """The counters without the lock: a snapshot crosses a process boundary (the
+        engine process's stats, engine/engine_process.py)."""
+        with self._lock:
+            return (
+                *(self.blocks_saved, self.bytes_saved, self.blocks_skipped, self.save_seconds),
+                *(self.blocks_loaded, self.bytes_loaded, self.load_seconds, self.lookups),
+                dict(self.failures),
+            )
+
+    def __setstate__(self, state: tuple[object, ...]) -> None:
+        (
+            self.blocks_saved, self.bytes_saved, self.blocks_skipped, self.save_seconds,
+            self.blocks_loaded, self.bytes_loaded, self.load_seconds, self.lookups,
+            self.failures,
+        ) = state  # type: ignore[assignment]  # fmt: skip
+        self._lock = threading.Lock()
+
     def record_save(self, blocks: int, nbytes: int, skipped: int) -> None:
         with self._lock:
             self.blocks_saved += blocks

@@ -23,19 +23,25 @@ GREEDY = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _workers(pid: int, module: bytes) -> list[int]:
-    """Child processes of ``pid`` that run the worker ``module``."""
-    found = []
+    """Processes under ``pid`` (its engine process's children, by default) that run the
+    worker ``module``."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            cmdlines[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and module in cmdline:
-            found.append(int(entry))
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if module in cmdlines.get(child, b""):
+            found.append(child)
+        todo += children.get(child, [])
     return found
 
 

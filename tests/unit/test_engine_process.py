@@ -184,3 +184,31 @@ async def test_the_engine_process_dying_fails_its_requests_for_good(
     fut = client._call("stats")  # noqa: SLF001 - a call after the end fails at once
     fut.add_done_callback(lambda _f: done.set())
     assert done.wait(5) and isinstance(fut.exception(), EngineDeadError)
+
+
+async def test_a_connector_lives_in_the_engine_process_and_its_counters_cross(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The fs connector is built in the engine process from its settings; a prompt saved
+    there shows in ``stats()`` read across the pipe (its counters' lock stays behind)."""
+    from kv_store.args import KVStoreSettings
+
+    store = KVStoreSettings(connector="fs", kv_path=str(tmp_path / "kv"))
+    eng = ProcessEngineClient(_config(tiny_model_dir), store)
+    await asyncio.wait_for(eng.start(), DEADLINE_S)
+    try:
+        assert eng.connector_name == "fs"
+        request = GenerateRequest("save", list(range(100, 164)), GREEDY, save_kv=True)
+        outs = await asyncio.wait_for(_drain(eng.submit(request)), DEADLINE_S)
+        saved = [o.kv_saved for o in outs if o.kv_saved is not None]
+        assert saved and saved[-1].block_keys, "the prompt's blocks were saved"
+        stats = await asyncio.to_thread(eng.stats)
+        assert stats.connector_name == "fs" and stats.connector is not None
+        assert stats.connector.blocks_saved == len(saved[-1].block_keys)
+        stats.connector.record_lookup()  # a working copy, with a lock of its own
+    finally:
+        await eng.shutdown()
+
+
+async def _drain(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in stream]

@@ -30,7 +30,7 @@ from router.args import RouterArgs
 from service.settings import ServiceSettings, forward_engine_flags
 
 # Texts tried in order for a value other than the default that a flag accepts.
-_CANDIDATES = ("2", "3", "0.25", "64Mi", "priority", "x-probe", "ngram:k=2", "a=/x", "on")
+_CANDIDATES = ("2", "3", "0.25", "64Mi", "priority", "x-probe", "ngram:k=2", "a=/x", "on", "off")
 # The models behind each command line (decode's has kv-load-failure, prefill's not).
 COMMANDS: dict[str, tuple[type[ArgsModel], ...]] = {
     "prefill": (ServiceSettings, EngineArgs, KVStoreSettings),
