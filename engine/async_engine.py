@@ -28,7 +28,7 @@ from engine.engine_loop import Abort, Delivery, EngineDeadError, EngineLoop, Sub
 from engine.kv.event_relay import pump_kv_events
 from engine.kv.events import Held, KvEventPublisher, snapshot_held
 from engine.llm_engine import LLMEngine
-from engine.lora_serving import lora_view
+from engine.lora_serving import add_adapter, lora_view, remove_adapter
 from engine.models import ModelArgs
 from engine.output_stream import OutputStream, RequestStreams, fan_out
 from engine.stats import EngineStats, LoadStats
@@ -39,7 +39,6 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 logger = logging.getLogger(__name__)
 
 GIL_SWITCH_S = 0.001
-LORA_OFF = "LoRA is not enabled on this instance (start it with --enable-lora)"
 
 
 class AsyncLLMEngine:
@@ -150,19 +149,11 @@ class AsyncLLMEngine:
     async def load_lora_adapter(self, name: str, path: str) -> list[str]:
         """Register a LoRA adapter at runtime (read and checked off the event loop);
         ``ValueError`` with the reason for a bad one. Returns the adapters served now."""
-        lora = self.engine.lora
-        if lora is None:
-            raise ValueError(LORA_OFF)
-        await asyncio.to_thread(lora.add_adapter, name, path)
-        return sorted(lora.manager.registry)
+        return await asyncio.to_thread(add_adapter, self.engine.lora, name, path)
 
     async def unload_lora_adapter(self, name: str) -> list[str]:
         """Forget a LoRA adapter (running requests finish with it)."""
-        lora = self.engine.lora
-        if lora is None:
-            raise ValueError(LORA_OFF)
-        lora.remove_adapter(name)
-        return sorted(lora.manager.registry)
+        return remove_adapter(self.engine.lora, name)
 
     def get_load(self) -> LoadStats:
         """Load as of the last engine step (safe to call from any thread)."""

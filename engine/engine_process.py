@@ -19,10 +19,8 @@ between steps), ``reply`` (a call's answer),
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import sys
@@ -32,13 +30,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from common.parent_death import die_with_parent
 from engine.client import LoRAView
 from engine.config import EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.engine_loop import Abort, Delivery, EngineLoop, RunOnLoop, Submit
 from engine.kv.events import snapshot_held
 from engine.llm_engine import LLMEngine
-from engine.lora_serving import lora_view
+from engine.lora_serving import add_adapter, lora_view, remove_adapter
 from engine.models import ModelArgs
 from engine.stats import EngineStats, LoadStats
 from kv_store.base import KvLayout
@@ -195,25 +194,16 @@ def unpack_output(request_id: str, item: Any) -> RequestOutput | BaseException:
     )  # fmt: skip
 
 
-def _lora(core: EngineProcessCore) -> Any:
-    lora = core.engine.lora
-    if lora is None:
-        raise ValueError("LoRA is not enabled on this instance (start it with --enable-lora)")
-    return lora
-
-
 def _lora_add(core: EngineProcessCore, name: str, path: str) -> list[str]:
-    lora = _lora(core)
-    lora.add_adapter(name, path)
+    served = add_adapter(core.engine.lora, name, path)
     core.send_lora_view()  # before the reply: a request naming it may follow at once
-    return sorted(lora.manager.registry)
+    return served
 
 
 def _lora_remove(core: EngineProcessCore, name: str) -> list[str]:
-    lora = _lora(core)
-    lora.remove_adapter(name)
+    served = remove_adapter(core.engine.lora, name)
     core.send_lora_view()
-    return sorted(lora.manager.registry)
+    return served
 
 
 def _stats(core: EngineProcessCore) -> EngineStats:
@@ -234,11 +224,9 @@ def _owned_by_the_service() -> None:
     the closed command pipe stops it too, once its step ends)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the service died before the prctl took effect
+    if parent is not None and parent.pid is not None:
+        die_with_parent(parent.pid, signal.SIGKILL)
 
 
 def configure_threads(torch_threads: int) -> None:

@@ -124,6 +124,26 @@ def lora_names(
     return names
 
 
+LORA_OFF = "LoRA is not enabled on this instance (start it with --enable-lora)"
+
+
+def add_adapter(lora: LoRAServing | None, name: str, path: str) -> list[str]:
+    """A runtime ``load_lora_adapter`` (both engine clients): ``ValueError`` when LoRA is
+    off or the adapter is bad; the adapters served now."""
+    if lora is None:
+        raise ValueError(LORA_OFF)
+    lora.add_adapter(name, path)
+    return sorted(lora.manager.registry)
+
+
+def remove_adapter(lora: LoRAServing | None, name: str) -> list[str]:
+    """A runtime ``unload_lora_adapter`` (running requests finish with it)."""
+    if lora is None:
+        raise ValueError(LORA_OFF)
+    lora.remove_adapter(name)
+    return sorted(lora.manager.registry)
+
+
 def lora_view(lora: LoRAServing | None) -> LoRAView | None:
     """What the services read of ``lora`` (None when LoRA is off)."""
     if lora is None:

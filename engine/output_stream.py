@@ -100,9 +100,6 @@ class RequestStreams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def __len__(self) -> int:
-        return len(self._streams)
-
     def all(self) -> list[OutputStream]:
         return list(self._streams.values())
 

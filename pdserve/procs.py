@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.parent_death import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env={**env, **self.env_extra},
                 start_new_session=True,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),  # SIGTERM
             )
 
     def exited(self) -> int | None:
@@ -82,16 +83,6 @@ class Child:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: get SIGTERM when the launcher dies (Linux), so a killed
-    launcher leaves no orphans. A launcher that died before the prctl took effect sends no
-    signal, hence the check of the parent afterwards."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 # Ports are picked below the kernel's ephemeral range when there is room: a port picked
